@@ -16,7 +16,7 @@ GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 
 
 def _target(generation: str) -> Target:
-    return Target(generation, CHIP_FACTS[generation].num_cores, False)
+    return Target(generation, CHIP_FACTS[generation].num_cores, None)
 
 
 def _shape(n, h, v, dtype=jnp.bfloat16, spec=StatsSpec()):
@@ -115,10 +115,16 @@ def test_target_is_read_at_call_time(monkeypatch):
 
 def test_target_spellings_and_unknown_target(monkeypatch):
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "TPU v5 lite")
-    assert current_target() == Target("v5e", 1, False)
+    assert current_target() == Target("v5e", 1, None)
     monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
-    assert current_target() == Target("v5p", 2, True)
+    assert current_target() == Target("v5p", 2, "tpu")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "plain")
+    assert current_target() == Target("v5p", 2, "plain")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "yes please")
+    with pytest.raises(ValueError, match=r"CE_PALLAS_TPU_INTERPRET='yes please': use 1 .*, plain, or 0"):
+        current_target()
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v99")
     with pytest.raises(ValueError, match="not a known TPU generation"):
         current_target()
@@ -126,7 +132,7 @@ def test_target_spellings_and_unknown_target(monkeypatch):
 
 def test_interpret_mode_defaults_to_a_two_core_target(monkeypatch):
     monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
-    assert current_target() == Target("v5p", 2, True)
+    assert current_target() == Target("v5p", 2, "tpu")
 
 
 @pytest.mark.parametrize("cores,blocks,expected", [(2, 1, 1), (2, 2, 2), (2, 3, 2), (2, 251, 2), (4, 5, 3), (1, 7, 1)])

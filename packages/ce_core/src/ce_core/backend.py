@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ce_core.block_sizes import BlockSizes
+from ce_core.varying import vary_like
 
 #: Bumped whenever the contract below changes incompatibly. A backend declares the version it was
 #: written against; the registry refuses a backend whose version differs.
@@ -46,9 +47,22 @@ class StatsSpec:
     block_sizes: BlockSizes | None = None
 
 
+#: How a call is run over devices, as :attr:`Problem.placement` tells a backend:
+#: ``"local"``: one device, or one shard inside the caller's own ``shard_map``;
+#: ``"shard_map"``: ce_core splits the call with ``jax.shard_map`` (explicit sharding, or the
+#: ``sharded_linear_cross_entropy`` wrapper), so the backend runs on each device's shard;
+#: ``"partitioned"``: automatic sharding (GSPMD/Shardy); the backend runs on each device's shard
+#: inside ``jax.experimental.custom_partitioning``, whose lowering cannot hold ordered effects.
+PLACEMENTS = ("local", "shard_map", "partitioned")
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """What a backend is asked to do, for :meth:`Backend.check` (shapes and dtypes only)."""
+    """What a backend is asked to do, for :meth:`Backend.check` (shapes and dtypes only).
+
+    ``n`` and ``v`` are what one device computes when that is known at trace time (the shard
+    sizes under ``"shard_map"``), else the global sizes.
+    """
 
     n: int
     h: int
@@ -56,6 +70,7 @@ class Problem:
     x_dtype: jnp.dtype
     w_dtype: jnp.dtype
     spec: StatsSpec
+    placement: str = "local"
 
 
 #: ``cotangent_fn(stats_chunk, token_params_chunk) -> RowStats`` of cotangents. It is elementwise
@@ -94,6 +109,26 @@ class Backend(abc.ABC):
         ``labels`` is int32 ``[N]``.
         """
 
+    def row_stats_vjp(
+        self,
+        x: jax.Array,
+        w: jax.Array,
+        labels: jax.Array,
+        lse: jax.Array,
+        cotangent: RowStats,
+        spec: StatsSpec,
+    ) -> tuple[jax.Array, jax.Array]:
+        """``dx, dw`` for cotangents of the statistics, given each row's ``lse``.
+
+        ``lse`` may be the logsumexp over a larger vocabulary than this ``w`` holds (``w`` is then
+        one vocab shard), so the softmax term is ``cotangent.lse * exp(z - lse)``: the shard's
+        share of the global softmax. A backend whose backward pass starts from the lse overrides
+        this to skip recomputing the statistics; this default differentiates :meth:`row_stats`,
+        rescaling the lse cotangent from the given lse to this ``w``'s own.
+        """
+        local, vjp = jax.vjp(lambda x_, w_: self.row_stats(x_, w_, labels, spec), x, w)
+        return vjp(vary_like(localize_cotangent(cotangent, local.lse, lse), local))
+
     def row_stats_and_grads(
         self,
         x: jax.Array,
@@ -112,3 +147,13 @@ class Backend(abc.ABC):
         stats, vjp = jax.vjp(lambda x_, w_: self.row_stats(x_, w_, labels, spec), x, w)
         dx, dw = vjp(cotangent_fn(stats, token_params))
         return stats, dx, dw
+
+
+def localize_cotangent(cotangent: RowStats, local_lse: jax.Array, lse: jax.Array) -> RowStats:
+    """The cotangent of statistics over a vocab slice, from that of statistics over the whole vocab.
+
+    ``lse = log sum_k exp(local_lse_k)`` over the slices, so ``d lse / d local_lse_k`` is
+    ``exp(local_lse_k - lse)``; the label logit and logit sum are plain sums over the slices, so
+    their cotangents pass through. With one slice (``local_lse == lse``) this is the identity.
+    """
+    return cotangent._replace(lse=cotangent.lse * jnp.exp(local_lse - lse))

@@ -17,11 +17,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from ce_core import validation
+from ce_core import ops, validation
 from ce_core.backend import Backend, Problem, RowStats, StatsSpec
 from ce_core.block_sizes import BlockSizes
+from ce_core.placement import Placement, find_placement, place
 from ce_core.registry import select_backend
-from ce_core.vocab_parallel import align_varying, combine_vocab_shards, vocab_shards
+from ce_core.varying import align_varying
+from ce_core.vocab_parallel import vocab_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,8 @@ def linear_cross_entropy(
         (shard k holding vocab ids ``[k * V_local, (k + 1) * V_local)``), combine the shards'
         statistics with collectives; ``labels`` stay global ids. Reductions cover the tokens of
         this call, so with tokens also split, reduce with ``"sum"`` and ``psum`` yourself, or use
-        :func:`ce_core.sharded_linear_cross_entropy`.
+        :func:`ce_core.sharded_linear_cross_entropy`. Not needed outside ``shard_map``: there the
+        call follows the shardings of its inputs (explicit or automatic), see the README.
 
     Returns:
       The float32 loss (a scalar, or the shape of ``labels`` for ``reduction="none"``), and the
@@ -99,15 +102,46 @@ def linear_cross_entropy(
     weights = None if weights is None else validation.as_array(weights, "weights")
     validation.check_arrays(x, labels, w, weights)
     validation.check_options(reduction, ignore_index, logsumexp_weight, logit_soft_cap, label_smoothing)
+    if vocab_axis_name is not None and not isinstance(vocab_axis_name, str):
+        raise ValueError(f"vocab_axis_name must be None or a mesh axis name (str), got {vocab_axis_name!r}")
+    return loss_with_placement(
+        x, labels, w, find_placement(x, labels, w, vocab_axis_name),
+        reduction=reduction, weights=weights, ignore_index=ignore_index, logsumexp_weight=logsumexp_weight,
+        logit_soft_cap=logit_soft_cap, label_smoothing=label_smoothing, return_lse=return_lse,
+        implementation=implementation, block_sizes=block_sizes,
+    )
+
+
+def loss_with_placement(
+    x: jax.Array,
+    labels: jax.Array,
+    w: jax.Array,
+    placement: Placement,
+    *,
+    reduction: str,
+    weights: jax.Array | None,
+    ignore_index: int,
+    logsumexp_weight: float,
+    logit_soft_cap: float | None,
+    label_smoothing: float,
+    return_lse: bool,
+    implementation: str | Sequence[str] | None,
+    block_sizes: BlockSizes | None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """:func:`linear_cross_entropy` on validated arrays, run as ``placement`` says."""
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be None or a ce_core.BlockSizes, got {block_sizes!r}")
     hidden, local_vocab = w.shape
-    if vocab_axis_name is None:
-        vocab, vocab_offset = local_vocab, 0
-        validation.check_concrete_labels(labels, vocab, ignore_index)
+    if placement.kind == "local" and placement.vocab_axes:
+        vocab = local_vocab * vocab_shards(placement.vocab_axes)
     else:
-        vocab = local_vocab * vocab_shards(vocab_axis_name)
-        vocab_offset = jax.lax.axis_index(vocab_axis_name) * local_vocab
+        vocab = local_vocab
+        validation.check_concrete_labels(labels, vocab, ignore_index)
+    if placement.kind == "shard_map":
+        x = place(x, placement.mesh, placement.spec("x"))
+        labels = place(labels, placement.mesh, placement.spec("tokens"))
+        w = place(w, placement.mesh, placement.spec("w"))
+        weights = None if weights is None else place(weights, placement.mesh, placement.spec("tokens"))
 
     spec = StatsSpec(
         logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
@@ -115,11 +149,12 @@ def linear_cross_entropy(
         block_sizes=block_sizes,
     )
     config = LossConfig(float(label_smoothing), float(logsumexp_weight), vocab)
-    x2d = x.reshape(-1, hidden)
-    y = labels.reshape(-1).astype(jnp.int32)
-    n_tokens = x2d.shape[0]
-    backend = select_backend(implementation, Problem(n_tokens, hidden, local_vocab, x.dtype, w.dtype, spec))
+    n_tokens = labels.size
+    problem = Problem(n_tokens // placement.token_shards(), hidden, local_vocab // placement.vocab_shards(),
+                      x.dtype, w.dtype, spec, placement.kind)
+    backend = select_backend(implementation, problem)
 
+    y = labels.astype(jnp.int32)
     counted = y != ignore_index
     in_vocab = (y >= 0) & (y < vocab)
     # A counted label outside the vocab makes that token's loss NaN; the backend only ever sees
@@ -128,23 +163,25 @@ def linear_cross_entropy(
     safe_y = jnp.where(counted & in_vocab, y, 0)
     token_weights = counted.astype(jnp.float32)
     if weights is not None:
-        token_weights = token_weights * weights.reshape(-1).astype(jnp.float32)
+        token_weights = token_weights * weights.astype(jnp.float32)
+    if placement.typed:  # inside the caller's shard_map: see ce_core.varying.align_varying
+        x, w, safe_y = align_varying(x, w, safe_y)
 
-    if reduction == "none" or return_lse or n_tokens == 0 or vocab_axis_name is not None:
-        stats = _row_stats(backend, x2d, w, safe_y - vocab_offset, spec, vocab_axis_name)
+    if reduction == "none" or return_lse or n_tokens == 0:
+        stats = _row_stats(backend, spec, placement, x, w, safe_y)
         per_token = token_weights * token_losses(stats, config) + nan_if_bad
         if reduction == "none":
-            loss = per_token.reshape(labels.shape)
+            loss = per_token
         elif reduction == "sum":
             loss = jnp.sum(per_token)
         else:
             loss = jnp.sum(per_token) / _safe_total(token_weights)
-        return (loss, stats.lse.reshape(labels.shape)) if return_lse else loss
+        return (loss, stats.lse) if return_lse else loss
 
     if reduction == "mean":
         token_weights = token_weights / _safe_total(token_weights)
-    reduced = _reduced_loss_fn(backend, spec, config)
-    return reduced(*align_varying(x2d, w, safe_y, token_weights)) + jnp.sum(nan_if_bad)
+    reduced = _reduced_loss_fn(backend, spec, config, placement)
+    return reduced(x, w, safe_y, token_weights) + jnp.sum(nan_if_bad)
 
 
 def _safe_total(token_weights: jax.Array) -> jax.Array:
@@ -153,26 +190,22 @@ def _safe_total(token_weights: jax.Array) -> jax.Array:
     return jnp.where(total == 0, 1.0, total)
 
 
-def _row_stats(
-    backend: Backend, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, vocab_axis_name: str | None
-) -> RowStats:
-    """Row statistics over the whole vocabulary, combining vocab shards when ``w`` is split."""
-    if x.shape[0] == 0:  # nothing to stream over; every backend would need a special case
-        empty = jnp.zeros((0,), jnp.float32)
+def _row_stats(backend: Backend, spec: StatsSpec, placement: Placement, x: jax.Array, w: jax.Array,
+               labels: jax.Array) -> RowStats:
+    """Row statistics over the whole vocabulary, shaped like ``labels``."""
+    if labels.size == 0:  # nothing to stream over; every backend would need a special case
+        empty = jnp.zeros(labels.shape, jnp.float32)
         return RowStats(empty, empty, empty if spec.with_sum else None)
-    x, w, labels = align_varying(x, w, labels)
-    if vocab_axis_name is None:
-        return backend.row_stats(x, w, labels, spec)
-    return combine_vocab_shards(backend.row_stats(x, w, labels, spec), vocab_axis_name)
+    return ops.row_stats(backend, spec, placement, x, w, labels)
 
 
 @functools.lru_cache(maxsize=256)
-def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig):
+def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, placement: Placement):
     """``sum_i c_i l_i`` with a VJP whose dx and dw are formed in the forward pass.
 
     For a scalar loss every per-token cotangent is known once that token's statistics are, up to
     the final scalar cotangent ``g``; the backend computes dx and dw alongside the statistics
-    (``Backend.row_stats_and_grads``) and the backward pass only scales them by ``g``.
+    (``Backend.row_stats_and_grads``, on each shard) and the backward pass only scales them by ``g``.
     """
 
     def weighted_sum(stats: RowStats, coefficients: jax.Array) -> jax.Array:
@@ -182,12 +215,12 @@ def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig):
 
     @jax.custom_vjp
     def reduced(x, w, labels, coefficients):
-        return weighted_sum(backend.row_stats(x, w, labels, spec), coefficients)
+        return weighted_sum(ops.row_stats(backend, spec, placement, x, w, labels), coefficients)
 
     def forward(x, w, labels, coefficients):
-        stats, dx, dw = backend.row_stats_and_grads(x, w, labels, spec, cotangent_fn, coefficients)
+        stats, dx, dw = ops.row_stats_and_grads(backend, spec, placement, cotangent_fn, x, w, labels, coefficients)
         losses = token_losses(stats, config)
-        return jnp.sum(coefficients * losses), (dx.astype(x.dtype), dw.astype(w.dtype), losses)
+        return jnp.sum(coefficients * losses), (dx, dw, losses)
 
     def backward(residuals, g):
         dx, dw, losses = residuals

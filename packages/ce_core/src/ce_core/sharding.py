@@ -1,9 +1,9 @@
-"""Data- and vocab-parallel loss over a device mesh, with JAX's own ``shard_map``.
+"""Data- and vocab-parallel loss over a mesh the caller names, whatever the inputs' layout.
 
-Tokens are split over ``batch_axes`` and ``w`` over ``vocab_axis``. Each device computes the row
-statistics of its tokens against its slice of the vocabulary; the vocab shards are combined with
-``pmax``/``psum`` (:mod:`ce_core.vocab_parallel`) and the reductions with ``psum`` over the batch
-axes. Neither the logits nor the full ``w`` is ever gathered; ``dw`` comes back sharded like ``w``.
+:func:`ce_core.linear_cross_entropy` already follows the shardings its inputs carry. This wrapper is
+for the other case: the caller says how to split (``batch_axes``, ``vocab_axis``) and the inputs
+are laid out that way first (resharded: a slice, or a gather where they were split differently),
+then run under ``jax.shard_map`` like an explicitly sharded call (:mod:`ce_core.placement`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from ce_core import validation
-from ce_core.loss import linear_cross_entropy
+from ce_core.loss import loss_with_placement
+from ce_core.placement import Placement, typed_mesh
 
 
 def sharded_linear_cross_entropy(
@@ -25,7 +26,7 @@ def sharded_linear_cross_entropy(
     labels: jax.Array,
     w: jax.Array,
     *,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     batch_axes: str | Sequence[str] = ("data",),
     vocab_axis: str | None = None,
     reduction: str = "mean",
@@ -39,7 +40,9 @@ def sharded_linear_cross_entropy(
     The value and gradients equal the unsharded call. The flattened token dimension is split over
     the product of ``batch_axes`` (padded with ignored tokens when it does not divide evenly);
     ``w`` is split over ``vocab_axis`` on V, which must divide V. ``"mean"`` is the global weighted
-    sum over the global weight sum (0 when that is 0). Other keyword arguments (``logsumexp_weight``,
+    sum over the global weight sum (0 when that is 0). ``mesh`` may have any axis types, and the
+    inputs any sharding: they are resharded to this layout. ``dx`` comes back split over the tokens
+    and ``dw`` over ``vocab_axis``. Other keyword arguments (``logsumexp_weight``,
     ``logit_soft_cap``, ``label_smoothing``, ``implementation``, ``block_sizes``) pass through.
     Works on one host or many (after ``jax.distributed.initialize()``), with any backend.
     """
@@ -50,8 +53,13 @@ def sharded_linear_cross_entropy(
     w = validation.as_array(w, "w")
     weights = None if weights is None else validation.as_array(weights, "weights")
     validation.check_arrays(x, labels, w, weights)
-    validation.check_options(reduction, ignore_index, loss_kwargs.get("logsumexp_weight", 0.0),
-                             loss_kwargs.get("logit_soft_cap"), loss_kwargs.get("label_smoothing", 0.0))
+    unknown = sorted(set(loss_kwargs) - _PASS_THROUGH)
+    if unknown:
+        raise ValueError(f"unexpected keyword argument(s) {unknown}; sharded_linear_cross_entropy passes on "
+                         f"{sorted(_PASS_THROUGH)}")
+    options = {**_DEFAULTS, **loss_kwargs}
+    validation.check_options(reduction, ignore_index, options["logsumexp_weight"], options["logit_soft_cap"],
+                             options["label_smoothing"])
     hidden, vocab = w.shape
     if vocab_axis is not None and vocab % mesh.shape[vocab_axis]:
         raise ValueError(
@@ -67,44 +75,41 @@ def sharded_linear_cross_entropy(
     y = _pad(labels.reshape(-1), padded, ignore_index)
     flat_weights = None if weights is None else _pad(weights.reshape(-1), padded, 0)
 
-    token_spec = PartitionSpec(batch_axes if batch_axes else None)
-    in_specs = (PartitionSpec(batch_axes if batch_axes else None, None), token_spec, PartitionSpec(None, vocab_axis))
-    local_reduction = "none" if reduction == "none" else "sum"
-
-    def local_loss(x_, y_, w_, *maybe_weights):
-        weights_ = maybe_weights[0] if maybe_weights else None
-        out = linear_cross_entropy(x_, y_, w_, reduction=local_reduction, weights=weights_, ignore_index=ignore_index,
-                                   return_lse=return_lse, vocab_axis_name=vocab_axis, **loss_kwargs)
-        loss, lse = out if return_lse else (out, None)
-        if reduction != "none" and batch_axes:
-            loss = jax.lax.psum(loss, batch_axes)
-        if reduction == "mean":
-            token_weights = (y_ != ignore_index).astype(jnp.float32)
-            if weights_ is not None:
-                token_weights = token_weights * weights_.astype(jnp.float32)
-            total = jnp.sum(token_weights)
-            total = jax.lax.psum(total, batch_axes) if batch_axes else total
-            loss = loss / jnp.where(total == 0, 1.0, total)
-        return (loss, lse) if return_lse else loss
-
-    loss_spec = token_spec if reduction == "none" else PartitionSpec()
-    out_specs = (loss_spec, token_spec) if return_lse else loss_spec
-    args = (x2d, y, w) if flat_weights is None else (x2d, y, w, flat_weights)
-    sharded = jax.shard_map(local_loss, mesh=mesh, in_specs=in_specs + (token_spec,) * (len(args) - 3),
-                            out_specs=out_specs)
-    out = sharded(*args)
-    if not return_lse and reduction != "none":
-        return out
+    token_entry = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
+    placement = Placement("shard_map", mesh=_mesh_for(mesh, x, w), token_spec=(token_entry,),
+                          vocab_axes=(vocab_axis,) if vocab_axis is not None else ())
+    out = loss_with_placement(x2d, y, w, placement, reduction=reduction, weights=flat_weights,
+                              ignore_index=ignore_index, return_lse=return_lse, **options)
     loss, lse = out if return_lse else (out, None)
     if reduction == "none":
         loss = loss[:n_tokens].reshape(labels.shape)
-    if not return_lse:
+    if lse is None:
         return loss
     return loss, lse[:n_tokens].reshape(labels.shape)
 
 
-def _check_mesh(mesh: Mesh, batch_axes: tuple[str, ...], vocab_axis: str | None) -> None:
-    if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+_DEFAULTS: dict[str, Any] = dict(logsumexp_weight=0.0, logit_soft_cap=None, label_smoothing=0.0,
+                                 implementation=None, block_sizes=None)
+_PASS_THROUGH = frozenset(_DEFAULTS)
+
+
+def _mesh_for(mesh: Mesh | AbstractMesh, *values: jax.Array) -> Mesh | AbstractMesh:
+    """``mesh`` as the inputs can meet it: Explicit when their types carry explicit shardings, else Auto.
+
+    Inputs typed on an explicit mesh must be resharded on it; plain inputs (uncommitted, or placed
+    without explicit types) are laid out with sharding constraints, which need Auto axes.
+    """
+    typed = typed_mesh(*values)
+    if typed is not None and typed.explicit_axes:
+        return mesh
+    auto = {name: AxisType.Auto for name in mesh.axis_names}
+    if isinstance(mesh, AbstractMesh):
+        return mesh.update_axis_types(auto)
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=tuple(auto.values()))
+
+
+def _check_mesh(mesh: Mesh | AbstractMesh, batch_axes: tuple[str, ...], vocab_axis: str | None) -> None:
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
     for axis in batch_axes:

@@ -1,12 +1,15 @@
-"""Combining row statistics across shards of the vocabulary (``w`` split over V).
+"""Row statistics over a vocabulary split across devices (``w`` sharded on V).
 
 Each shard computes the statistics of its slice of the logits, with labels shifted by the shard's
-first vocab id (a label owned by another shard contributes 0 locally). The global statistics are
-then a stable logsumexp of the shards' lse values and plain sums of the rest; JAX differentiates
-through these collectives, so each shard's backend receives its own share of the cotangents.
+first vocab id (a label owned by another shard contributes 0 locally). The global statistics are a
+stable logsumexp of the shards' lse values and plain sums of the rest. The vocab axes may be
+several mesh axes; shards are then numbered row-major over them, as JAX lays out a dimension
+sharded over a tuple of axes.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,48 +17,34 @@ import jax.numpy as jnp
 from ce_core.backend import RowStats
 
 
-def vocab_shards(axis_name: str) -> int:
-    """Size of the mesh axis ``axis_name``; a ValueError when called outside a ``shard_map`` over it."""
+def vocab_shards(axes: tuple[str, ...]) -> int:
+    """Number of vocab shards: the product of the sizes of ``axes`` (1 for none).
+
+    A ``ValueError`` when an axis is not bound here (called outside a ``shard_map`` over it).
+    """
     try:
-        return int(jax.lax.axis_size(axis_name))
+        return math.prod(int(jax.lax.axis_size(axis)) for axis in axes)
     except NameError as error:
         raise ValueError(
-            f"vocab_axis_name={axis_name!r} is not a mesh axis bound here; call linear_cross_entropy "
-            f"inside a shard_map over a mesh with that axis ({error})"
+            f"vocab_axis_name={axes if len(axes) > 1 else axes[0]!r} is not a mesh axis bound here; call "
+            f"linear_cross_entropy inside a shard_map over a mesh with that axis ({error})"
         ) from None
 
 
-def align_varying(*values: jax.Array | None) -> tuple[jax.Array | None, ...]:
-    """Make every value vary over the union of the mesh axes any of them varies over.
-
-    Inside ``shard_map`` a replicated operand (``w`` under data parallelism, ``x`` under vocab
-    parallelism) must meet per-shard ones with the same varying axes before it enters a backend's
-    custom VJP; the cotangent of this cast is a psum, which sums the shards' partial gradients.
-    Outside ``shard_map`` nothing varies and this returns its arguments unchanged.
-    """
-    axes = frozenset().union(*(varying_axes(v) for v in values if v is not None))
-    return tuple(v if v is None else _vary(v, axes) for v in values)
+def vocab_offset(axes: tuple[str, ...], local_vocab: int) -> jax.Array | int:
+    """Global vocab id of this shard's first column (0 without vocab axes)."""
+    if not axes:
+        return 0
+    return jax.lax.axis_index(axes) * local_vocab
 
 
-def varying_axes(value: jax.Array) -> frozenset:
-    """Mesh axes over which ``value`` differs between shards (empty outside ``shard_map``)."""
-    aval = jax.typeof(value)
-    manual = getattr(aval, "mat", None)  # jax >= 0.12 names it the manual axis type
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _vary(value: jax.Array, axes: frozenset) -> jax.Array:
-    missing = tuple(sorted(axes - varying_axes(value)))
-    return jax.lax.pcast(value, missing, to="varying") if missing else value
-
-
-def combine_vocab_shards(local: RowStats, axis_name: str) -> RowStats:
-    """Global row statistics from every vocab shard's local ones."""
+def combine_vocab_shards(local: RowStats, axes: tuple[str, ...]) -> RowStats:
+    """Global row statistics from every vocab shard's local ones (``local`` itself without axes)."""
+    if not axes:
+        return local
     # The max only stabilises the exponentials; its value cancels, so it carries no gradient.
-    peak = jax.lax.pmax(jax.lax.stop_gradient(local.lse), axis_name)
-    lse = peak + jnp.log(jax.lax.psum(jnp.exp(local.lse - peak), axis_name))
-    label = jax.lax.psum(local.label, axis_name)
-    total = None if local.sum is None else jax.lax.psum(local.sum, axis_name)
+    peak = jax.lax.pmax(jax.lax.stop_gradient(local.lse), axes)
+    lse = peak + jnp.log(jax.lax.psum(jnp.exp(local.lse - peak), axes))
+    label = jax.lax.psum(local.label, axes)
+    total = None if local.sum is None else jax.lax.psum(local.sum, axes)
     return RowStats(lse, label, total)

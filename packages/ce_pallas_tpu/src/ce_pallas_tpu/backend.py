@@ -33,6 +33,12 @@ class PallasTpuBackend(Backend):
             current = target.current_target()
         except RuntimeError as error:
             raise UnsupportedError(f"pallas_tpu: {error}") from None
+        if problem.placement == "partitioned" and current.interpret == "tpu":
+            raise UnsupportedError(
+                "pallas_tpu: under automatic sharding the kernels run inside custom_partitioning, whose "
+                "per-device lowering cannot hold the TPU interpreter's ordered host callbacks; use "
+                f"{target.INTERPRET_ENV}=plain, or explicit sharding (jax.set_mesh with Explicit axes)"
+            )
         # Resolving the plan validates explicit block sizes (ValueError) and raises
         # UnsupportedError when no tiles fit this generation's VMEM.
         if problem.n > 0:
@@ -45,6 +51,17 @@ class PallasTpuBackend(Backend):
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
         return ops.row_stats(x, w, labels, spec)
+
+    def row_stats_vjp(
+        self,
+        x: jax.Array,
+        w: jax.Array,
+        labels: jax.Array,
+        lse: jax.Array,
+        cotangent: RowStats,
+        spec: StatsSpec,
+    ) -> tuple[jax.Array, jax.Array]:
+        return ops.row_stats_vjp(x, w, labels, lse, cotangent, spec)
 
 
 def make_backend() -> PallasTpuBackend:

@@ -101,6 +101,16 @@ def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) ->
     return _row_stats(x, w, labels, plan)
 
 
+def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array, cotangent: RowStats,
+                  spec: StatsSpec) -> tuple[jax.Array, jax.Array]:
+    """``dx, dw`` of the statistics from the backward kernel alone, given each row's lse."""
+    n, h = x.shape
+    plan = make_plan(n, h, w.shape[1], x.dtype, w.dtype, spec)
+    y = labels.astype(jnp.int32).reshape(-1, 1)
+    dx, dw, _ = _row_stats_bwd(plan, (x, w, y, lse), cotangent)
+    return dx, dw
+
+
 def _forward(x, w, labels, plan: Plan):
     y = labels.astype(jnp.int32).reshape(-1, 1)
     partials = forward_call(x, w, y, plan.forward)

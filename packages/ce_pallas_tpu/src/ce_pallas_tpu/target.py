@@ -12,7 +12,10 @@ ahead-of-time compile) can set the environment after importing the package:
 ``CE_PALLAS_TPU_INTERPRET``
     ``1`` runs the real kernels in Pallas' TPU interpret mode on any backend, with race detection,
     out-of-bounds reads raising, and as many simulated cores as the target has (the target defaults
-    to v5p there, so the two-core split is exercised).
+    to v5p there, so the two-core split is exercised). ``plain`` runs them in Pallas' generic
+    interpreter instead (``interpret=True``: no race detection, the grid run in order), the one that
+    works under automatic sharding: the TPU interpreter orders its steps with host callbacks, which
+    ``custom_partitioning``'s per-device lowering cannot hold.
 
 Without either, the target is the device of the active abstract mesh when that is a TPU (inside
 ``jax.sharding.use_abstract_mesh`` over a deviceless topology's device, or a ``shard_map`` over TPU
@@ -88,7 +91,7 @@ class Target:
 
     generation: str  # a key of CHIP_FACTS
     num_cores: int
-    interpret: bool
+    interpret: str | None  # None (compile for the TPU), "tpu" or "plain" (see interpret_mode)
 
     @property
     def facts(self) -> ChipFacts:
@@ -107,9 +110,30 @@ def normalize_generation(name: str) -> str:
     return "default"
 
 
+#: ``CE_PALLAS_TPU_INTERPRET`` values that select the TPU interpreter, and the generic one.
+_TPU_INTERPRETER = ("1", "true", "yes", "on")
+_PLAIN_INTERPRETER = ("plain",)
+
+
+def interpret_mode() -> str | None:
+    """``"tpu"``, ``"plain"`` or ``None``: which interpreter ``CE_PALLAS_TPU_INTERPRET`` asks for (read now).
+
+    Raises:
+      ValueError: the variable holds anything else (a typo would otherwise compile for a real TPU).
+    """
+    value = os.environ.get(INTERPRET_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return None
+    if value in _TPU_INTERPRETER:
+        return "tpu"
+    if value in _PLAIN_INTERPRETER:
+        return "plain"
+    raise ValueError(f"{INTERPRET_ENV}={value!r}: use 1 (the TPU interpreter, race-checked), plain, or 0")
+
+
 def interpret_requested() -> bool:
-    """Whether ``CE_PALLAS_TPU_INTERPRET`` asks for interpret mode (read now)."""
-    return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``CE_PALLAS_TPU_INTERPRET`` asks for either interpreter (read now)."""
+    return interpret_mode() is not None
 
 
 def target_requested() -> str | None:
@@ -143,7 +167,7 @@ def current_target() -> Target:
       ValueError: ``CE_PALLAS_TPU_TARGET`` names an unknown generation.
       RuntimeError: no TPU, no target and no interpret mode (callers check availability first).
     """
-    interpret = interpret_requested()
+    interpret = interpret_mode()
     requested = target_requested()
     device = _tpu_device_facts()
     if requested is not None:
@@ -182,9 +206,11 @@ def is_available() -> bool:
 
 
 def interpret_params(target: Target):
-    """``pltpu.InterpretParams`` for ``target`` in interpret mode, or ``False`` to compile for real."""
-    if not target.interpret:
+    """``pltpu.InterpretParams`` for the TPU interpreter, ``True`` for the plain one, or ``False`` to compile."""
+    if target.interpret is None:
         return False
+    if target.interpret == "plain":
+        return True
     from jax.experimental.pallas import tpu as pltpu
 
     return pltpu.InterpretParams(

@@ -53,6 +53,17 @@ class XlaBackend(Backend):
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
         return _row_stats(x, w, labels, spec, self.plan(x.shape[0], *w.shape, spec))
 
+    def row_stats_vjp(
+        self,
+        x: jax.Array,
+        w: jax.Array,
+        labels: jax.Array,
+        lse: jax.Array,
+        cotangent: RowStats,
+        spec: StatsSpec,
+    ) -> tuple[jax.Array, jax.Array]:
+        return backward.row_stats_grads(x, w, labels, lse, cotangent, spec, self.plan(x.shape[0], *w.shape, spec))
+
     def row_stats_and_grads(
         self,
         x: jax.Array,

@@ -10,10 +10,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from ce_core import RowStats, StatsSpec
+from ce_core.varying import vary_like
 
 from ce_xla import tiles
 from ce_xla.chunking import ChunkPlan
-from ce_xla.loops import chunk_start, loop, vary_like
+from ce_xla.loops import chunk_start, loop
 
 _CONTRACT_COLS = (((1,), (1,)), ((), ()))  # delta [rows, c] x w_tile [H, c] -> [rows, H]
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # x [rows, H] x delta [rows, c] -> [H, c]

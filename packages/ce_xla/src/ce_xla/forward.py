@@ -8,10 +8,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from ce_core import RowStats, StatsSpec
+from ce_core.varying import vary_like
 
 from ce_xla import tiles
 from ce_xla.chunking import ChunkPlan
-from ce_xla.loops import chunk_start, loop, vary_like
+from ce_xla.loops import chunk_start, loop
 
 
 def chunk_row_stats(

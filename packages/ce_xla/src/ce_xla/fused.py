@@ -15,11 +15,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from ce_core import CotangentFn, RowStats, StatsSpec
+from ce_core.varying import vary_like
 
 from ce_xla.backward import chunk_grads, owned_rows
 from ce_xla.chunking import ChunkPlan
 from ce_xla.forward import chunk_row_stats
-from ce_xla.loops import chunk_start, loop, vary_like
+from ce_xla.loops import chunk_start, loop
 
 
 def row_stats_and_grads(

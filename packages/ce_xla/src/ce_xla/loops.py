@@ -1,4 +1,4 @@
-"""Loop plumbing shared by the forward and gradient passes: chunk offsets, loops, varying axes.
+"""Loop plumbing shared by the forward and gradient passes: chunk offsets and loops.
 
 A dimension of ``size`` is covered by ``ceil(size / chunk)`` chunks of exactly ``chunk`` elements;
 the last one starts at ``size - chunk`` instead of being padded, so it may overlap the one before.
@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-from ce_core.vocab_parallel import varying_axes
 
 Carry = TypeVar("Carry")
 
@@ -34,20 +33,3 @@ def loop(count: int, body: Callable[[Any, Carry], Carry], carry: Carry) -> Carry
     if count == 1:
         return body(0, carry)
     return jax.lax.fori_loop(0, count, body, carry)
-
-
-def vary_like(tree: Carry, *refs: Any) -> Carry:
-    """Mark ``tree``'s arrays as varying over every mesh axis any of ``refs`` varies over.
-
-    Inside ``shard_map`` a loop's initial carry (zeros made here) must vary over the same mesh axes
-    as the values the loop body produces from the sharded inputs. Outside it, a no-op.
-    """
-    axes = frozenset().union(*(varying_axes(r) for r in jax.tree.leaves(refs)))
-    if not axes:
-        return tree
-
-    def cast(value: jax.Array) -> jax.Array:
-        missing = tuple(sorted(axes - varying_axes(value)))
-        return jax.lax.pcast(value, missing, to="varying") if missing else value
-
-    return jax.tree.map(cast, tree)

@@ -1,0 +1,78 @@
+"""The backend contract as differentiable ops over whole (possibly sharded) arrays.
+
+``row_stats`` is a custom VJP whose forward and backward passes each run one per-shard function of
+:mod:`ce_core.shard_ops` under the call's placement; ``row_stats_and_grads`` runs the fused one.
+Because differentiation stops at these ops, the same per-shard code serves every placement:
+
+- ``"local"``: called directly (one device, or one shard in the caller's ``shard_map``);
+- ``"shard_map"``: inside ``jax.shard_map`` over the placement's mesh and specs;
+- ``"partitioned"``: inside ``custom_partitioning`` (:mod:`ce_core.partitioned`).
+
+Arrays keep their leading token dimensions (``x: [..., H]``, labels ``[...]``); each shard flattens
+its own rows, so no sharded array is ever reshaped across devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from ce_core.backend import Backend, CotangentFn, RowStats, StatsSpec
+from ce_core.partitioned import run_partitioned
+from ce_core.placement import Placement
+from ce_core.shard_ops import RowStatsAndGradsFn, RowStatsFn, RowStatsVjpFn, ShardFn, stats_from, stats_values
+
+
+def run(fn: ShardFn, placement: Placement, *args: jax.Array) -> tuple[jax.Array, ...]:
+    """``fn`` over whole arrays laid out as ``placement`` says."""
+    if placement.kind == "local":
+        return fn(placement.shard_axes, *args)
+    if placement.kind == "shard_map":
+        sharded = jax.shard_map(
+            functools.partial(fn, placement.shard_axes),
+            mesh=placement.mesh,
+            in_specs=tuple(placement.spec(k) for k in fn.in_kinds),
+            out_specs=tuple(placement.spec(k) for k in fn.out_kinds),
+        )
+        return sharded(*args)
+    if placement.kind == "partitioned":
+        return run_partitioned(fn, *args)
+    raise ValueError(f"unknown placement kind {placement.kind!r}")
+
+
+def row_stats(backend: Backend, spec: StatsSpec, placement: Placement, x: jax.Array, w: jax.Array,
+              labels: jax.Array) -> RowStats:
+    """Row statistics of ``cap(x @ w)`` over the whole vocabulary, differentiable in ``x`` and ``w``."""
+    return _row_stats_op(backend, spec, placement)(x, w, labels)
+
+
+def row_stats_and_grads(backend: Backend, spec: StatsSpec, placement: Placement, cotangent_fn: CotangentFn,
+                        x: jax.Array, w: jax.Array, labels: jax.Array,
+                        coefficients: jax.Array) -> tuple[RowStats, jax.Array, jax.Array]:
+    """Statistics with ``dx`` and ``dw`` (dtypes of ``x`` and ``w``) for ``cotangent_fn``'s cotangents."""
+    out = run(RowStatsAndGradsFn(backend, spec, cotangent_fn), placement, x, w, labels, coefficients)
+    return stats_from(out, spec.with_sum), out[-2], out[-1]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_stats_op(backend: Backend, spec: StatsSpec, placement: Placement):
+    forward_fn = RowStatsFn(backend, spec)
+    backward_fn = RowStatsVjpFn(backend, spec)
+
+    def stats(x, w, labels):
+        return stats_from(run(forward_fn, placement, x, w, labels), spec.with_sum)
+
+    def forward(x, w, labels):
+        result = stats(x, w, labels)
+        return result, (x, w, labels, result.lse)
+
+    def backward(residuals: Any, cotangent: RowStats):
+        x, w, labels, lse = residuals
+        dx, dw = run(backward_fn, placement, x, w, labels, lse, *stats_values(cotangent))
+        return dx, dw, None
+
+    op = jax.custom_vjp(stats)
+    op.defvjp(forward, backward)
+    return op
