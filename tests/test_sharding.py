@@ -153,3 +153,45 @@ def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= 4 * h * vocab + 8 * tokens * h  # pallas_tpu's bound: one f32 dw, two f32 dx
     assert temp < 4 * tokens * vocab  # less than one f32 copy of this device's logits
+
+
+# --- the wrapper with meshes of any axis types and inputs of any layout ------------------------
+
+
+def _make_mesh(axis_type, shape=(2, 4)):
+    return jax.make_mesh(shape, ("data", "vocab"), axis_types=(axis_type,) * 2, devices=jax.devices("cpu")[:8])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto], ids=str)
+def test_wrapper_takes_a_make_mesh_mesh_and_ordinary_arrays(backend_name, axis_type, jit):
+    mesh = _make_mesh(axis_type)
+    loss_fn = functools.partial(sharded_linear_cross_entropy, mesh=mesh, vocab_axis="vocab")
+    x, labels, w = random_problem(11, (3, 11), 48, 328)
+    compare_with_oracle(backend_name, SHARDED_CASES[-1], x, labels, w, loss_fn=loss_fn, jit=jit)
+
+
+@pytest.mark.parametrize("x_spec,w_spec", [
+    (PartitionSpec("data", None), PartitionSpec("data", None)),  # FSDP: w split over H
+    (PartitionSpec(None, "vocab"), PartitionSpec("vocab", None)),  # both split the "wrong" way
+    (PartitionSpec(("data", "vocab"), None), PartitionSpec(None, ("data", "vocab"))),
+], ids=["fsdp", "transposed", "all_axes"])
+def test_wrapper_reshards_inputs_laid_out_otherwise_under_explicit_axes(backend_name, x_spec, w_spec):
+    mesh = _make_mesh(jax.sharding.AxisType.Explicit)
+    x, labels, w = random_problem(12, (32,), 48, 320)
+    options = dict(label_smoothing=0.1, logsumexp_weight=1e-3)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, x_spec)
+        ws = jax.device_put(w, w_spec)
+        loss, (dx, dw) = jax.jit(jax.value_and_grad(
+            lambda a, b: sharded_linear_cross_entropy(a, labels, b, mesh=mesh, vocab_axis="vocab", implementation=backend_name,
+                                                      **options), argnums=(0, 1)))(xs, ws)
+    expected = oracle(x, labels, w, **options)
+    assert max_rel_error(loss, expected["loss"]) < 1e-5
+    assert max_rel_error(dx, expected["dx"]) < 1e-4 and max_rel_error(dw, expected["dw"]) < 1e-4
+
+
+def test_wrapper_rejects_unknown_keyword_arguments():
+    x, labels, w = random_problem(13, (4,), 8, 16)
+    with pytest.raises(ValueError, match=r"unexpected keyword argument\(s\) \['label_smothing'\]"):
+        sharded_linear_cross_entropy(x, labels, w, mesh=make_mesh(2, 4), label_smothing=0.1)

@@ -89,8 +89,20 @@ def test_reference_is_found_through_its_entry_point():
 def test_unknown_name_lists_available_names():
     with pytest.raises(ValueError, match=r"unknown backend 'nope'; installed backends: \[.*'reference'.*\]"):
         linear_cross_entropy(X, LABELS, W, implementation="nope")
-    with pytest.raises(ValueError, match=r"unknown backend 'nope'"):
-        linear_cross_entropy(X, LABELS, W, implementation=["reference", "nope"])
+
+
+def test_a_chain_skips_a_backend_that_is_not_installed_with_one_warning():
+    """As the README's ("pallas_tpu", "xla") chain must on a machine without ce-pallas-tpu."""
+    with pytest.warns(FallbackWarning, match=r"backend 'not_here' cannot run this call \(backend 'not_here' is not "
+                                             r"installed; .*\); falling back to 'reference'"):
+        loss = linear_cross_entropy(X, LABELS, W, implementation=["not_here", "reference"])
+    assert float(loss) == pytest.approx(float(linear_cross_entropy(X, LABELS, W, implementation="reference")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per backend and reason
+        linear_cross_entropy(X, LABELS, W, implementation=["not_here", "reference"])
+    with pytest.raises(ExceptionGroup, match=r"no backend in \['not_here', 'nor_here'\]") as caught:
+        linear_cross_entropy(X, LABELS, W, implementation=["not_here", "nor_here"])
+    assert all(isinstance(e, UnsupportedError) and "is not installed" in str(e) for e in caught.value.exceptions)
 
 
 def test_single_name_raises_that_backends_error(temporary_backends):

@@ -1,0 +1,312 @@
+"""The plain call inside a user's own jitted, sharded step, on 8 simulated CPU devices.
+
+Meshes come from ``jax.make_mesh`` as users make them: Explicit axes (its default, with
+``jax.set_mesh``) and Auto axes (GSPMD/Shardy: ``NamedSharding`` inputs, with or without
+``jax.set_mesh``). For each layout of ``x`` and ``w`` the value and both gradients must match the
+float64 oracle, the gradients must come back laid out like their inputs, and the compiled program
+must gather nothing but ``w`` where the caller's FSDP layout asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ce_core import FallbackWarning, UnsupportedError, linear_cross_entropy
+from ce_core.placement import spec_entries
+from ce_core.testing import max_rel_error, oracle, random_problem
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MODES = ("explicit", "auto", "auto_set_mesh")
+H, V = 48, 320
+#: layout name -> (spec of x [batch, seq, H], spec of w [H, V], w's all-gathered shape or None)
+LAYOUTS = {
+    "data": (P("data", None, None), P(None, None), None),
+    "vocab": (P(None, None, None), P(None, "model"), None),
+    "data_x_vocab": (P("data", None, None), P(None, "model"), None),
+    "sequence_x_vocab": (P(None, "data", None), P(None, "model"), None),
+    "fsdp": (P("data", None, None), P("data", None), (H, V)),
+    "fsdp_x_vocab": (P("data", None, None), P("data", "model"), (H, V // 4)),
+}
+OPTIONS = dict(label_smoothing=0.1, logsumexp_weight=1e-3, logit_soft_cap=3.0)
+#: An all-gather instruction in compiled HLO text (also the async start on TPU), and its result shape.
+ALL_GATHER = re.compile(r"=\s*\(?[a-z0-9]+\[(?P<dims>[\d,]*)\][^=\n]*?\ball-gather(?:-start)?\(")
+
+
+def make_mesh(mode: str, shape: tuple[int, int] = (2, 4)):
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    devices = jax.devices("cpu")[: math.prod(shape)]
+    return jax.make_mesh(shape, ("data", "model"), axis_types=(axis_type,) * 2, devices=devices)
+
+
+def entered(mode: str, mesh):
+    """``jax.set_mesh(mesh)`` except in plain GSPMD mode, where the shardings ride on the inputs alone."""
+    return contextlib.nullcontext() if mode == "auto" else jax.set_mesh(mesh)
+
+
+def all_gathers(hlo: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in m["dims"].split(",") if d) for m in ALL_GATHER.finditer(hlo)]
+
+
+def same_layout(array: jax.Array, spec: P) -> bool:
+    return spec_entries(array.sharding.spec, array.ndim) == spec_entries(spec, array.ndim)
+
+
+def value_grads_and_hlo(mode, mesh, loss_fn, x, w, x_spec, w_spec):
+    step = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+    with entered(mode, mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+        ws = jax.device_put(w, NamedSharding(mesh, w_spec))
+        loss, (dx, dw) = step(xs, ws)
+        hlo = step.lower(xs, ws).compile().as_text()
+    return loss, dx, dw, hlo
+
+
+def assert_matches_oracle(loss, dx, dw, expected, tol=(1e-5, 1e-4)):
+    assert max_rel_error(loss, expected["loss"]) < tol[0]
+    assert max_rel_error(dx, expected["dx"]) < tol[1]
+    assert max_rel_error(dw, expected["dw"]) < tol[1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_plain_call_follows_the_callers_layout(backend_name, mode, layout):
+    x_spec, w_spec, gathered_w = LAYOUTS[layout]
+    x, labels, w = random_problem(0, (4, 6), H, V)
+    loss_fn = lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend_name, **OPTIONS)  # noqa: E731
+    loss, dx, dw, hlo = value_grads_and_hlo(mode, make_mesh(mode), loss_fn, x, w, x_spec, w_spec)
+
+    assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
+    assert same_layout(dx, x_spec), (dx.sharding, x_spec)
+    assert same_layout(dw, w_spec), (dw.sharding, w_spec)
+    # Nothing gathered but w, and w only where the caller's layout splits it over H (FSDP).
+    assert all_gathers(hlo) == ([gathered_w] if gathered_w else []), all_gathers(hlo)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_token_losses_and_lse_stay_split_like_the_labels(backend_name, mode):
+    mesh = make_mesh(mode)
+    x, labels, w = random_problem(1, (4, 6), H, V)
+    cotangent = np.random.default_rng(1).standard_normal(labels.shape).astype(np.float32)
+
+    def objective(x_, w_):
+        losses, lse = linear_cross_entropy(x_, labels, w_, reduction="none", return_lse=True,
+                                           implementation=backend_name, **OPTIONS)
+        return jnp.sum(losses * cotangent), (losses, lse)
+
+    with entered(mode, mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+        ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+        (_, (losses, lse)), (dx, dw) = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(xs, ws)
+    expected = oracle(x, labels, w, reduction="none", cotangent=cotangent, **OPTIONS)
+    assert_matches_oracle(losses, dx, dw, expected)
+    assert max_rel_error(lse, expected["lse"]) < 1e-6
+    assert same_layout(losses, P("data", None)) and same_layout(lse, P("data", None))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eager_calls_on_sharded_arrays(backend_name, mode):
+    mesh = make_mesh(mode)
+    x, labels, w = random_problem(2, (4, 6), H, V)
+    with entered(mode, mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+        ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+        loss, (dx, dw) = jax.value_and_grad(
+            lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend_name), argnums=(0, 1))(xs, ws)
+    assert_matches_oracle(loss, dx, dw, oracle(x, labels, w))
+
+
+def test_automatic_sharding_of_tokens_and_vocab_that_do_not_divide_evenly(backend_name):
+    """GSPMD pads the last token shard (its rows must add nothing); an uneven vocab is gathered, with a warning."""
+    mesh = make_mesh("auto")
+    x, labels, w = random_problem(3, (25,), H, V + 2)
+
+    def loss_fn(x_, w_):
+        x_ = jax.lax.with_sharding_constraint(x_, NamedSharding(mesh, P("data", None)))
+        w_ = jax.lax.with_sharding_constraint(w_, NamedSharding(mesh, P(None, "model")))
+        return linear_cross_entropy(x_, labels, w_, implementation=backend_name, **OPTIONS)
+
+    with pytest.warns(UserWarning, match=r"V=322 does not divide evenly over its 4 shards"):
+        loss, (dx, dw) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(x, w)
+    assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vmap_and_checkpoint_inside_a_sharded_step(backend_name, mode):
+    mesh = make_mesh(mode)
+    x, labels, w = random_problem(4, (2, 4, 6), H, V)  # vmapped over the first axis: per-example gradients
+    per_example = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, implementation=backend_name)  # noqa: E731
+    grads = jax.vmap(jax.grad(jax.checkpoint(per_example), argnums=(0, 2)), in_axes=(0, 0, None))
+    with entered(mode, mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(None, "data", None, None)))
+        ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+        dx, dw = jax.jit(grads)(xs, labels, ws)
+    for k in range(2):
+        expected = oracle(x[k], labels[k], w)
+        assert max_rel_error(dx[k], expected["dx"]) < 1e-4 and max_rel_error(dw[k], expected["dw"]) < 1e-4
+
+
+# --- pallas_tpu: interpret mode on a 2x2 mesh --------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["data_x_vocab", "fsdp"])
+@pytest.mark.parametrize("mode", MODES)
+def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
+    """Explicit axes run the race-checked TPU interpreter per shard; Auto axes the plain one (see ce_pallas_tpu)."""
+    from ce_pallas_tpu import ops
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1" if mode == "explicit" else "plain")
+    calls = []
+    original = ops.forward_call
+    monkeypatch.setattr(ops, "forward_call", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    x_spec, w_spec, _ = LAYOUTS[layout]
+    x, labels, w = random_problem(5, (4, 6), 128, 512)
+    loss_fn = lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", **OPTIONS)  # noqa: E731
+    loss, dx, dw, _ = value_grads_and_hlo(mode, make_mesh(mode, (2, 2)), loss_fn, x, w, x_spec, w_spec)
+
+    # The kernels ran per shard, on 12 of the 24 tokens (custom_partitioning also traces its whole,
+    # unpartitioned body once, for the output types; that one is never compiled on 4 devices).
+    per_shard = [shape for shape in calls if shape == (12, 128)]
+    assert per_shard and len(per_shard) >= len(calls) - (mode != "explicit"), calls
+    assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
+    assert same_layout(dx, x_spec) and same_layout(dw, w_spec)
+    assert not interpret_pallas_call.races.races_found
+
+
+def test_pallas_tpu_refuses_the_tpu_interpreter_under_automatic_sharding_before_compiling(monkeypatch):
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
+    mesh = make_mesh("auto", (2, 2))
+    x, labels, w = random_problem(6, (8,), 128, 256)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    with pytest.raises(UnsupportedError, match=r"custom_partitioning.*CE_PALLAS_TPU_INTERPRET=plain"):
+        jax.jit(lambda x_: linear_cross_entropy(x_, labels, w, implementation="pallas_tpu")).lower(xs)
+    with pytest.warns(FallbackWarning, match=r"falling back to 'xla'"):
+        loss = jax.jit(lambda x_: linear_cross_entropy(x_, labels, w, implementation=("pallas_tpu", "xla")))(xs)
+    assert max_rel_error(loss, oracle(x, labels, w)["loss"]) < 1e-5
+
+
+# --- a whole training step ----------------------------------------------------------------------
+
+
+def _model_loss(params, inputs, labels, backend):
+    hidden = jnp.tanh(inputs @ params["embed"])
+    return linear_cross_entropy(hidden, labels, params["head"], implementation=backend, logsumexp_weight=1e-3)
+
+
+def _sgd_step(params, inputs, labels, backend):
+    loss, grads = jax.value_and_grad(_model_loss)(params, inputs, labels, backend)
+    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+
+@pytest.mark.parametrize("layout", ["data_x_vocab", "fsdp_x_vocab"])
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_training_steps_give_the_unsharded_parameters(backend_name, mode, layout):
+    rng = np.random.default_rng(7)
+    inputs = rng.standard_normal((8, 5, 16)).astype(np.float32)
+    labels = rng.integers(0, V, (8, 5)).astype(np.int32)
+    params = {"embed": (rng.standard_normal((16, H)) / 4).astype(np.float32),
+              "head": (rng.standard_normal((H, V)) / np.sqrt(H)).astype(np.float32)}
+    step = jax.jit(functools.partial(_sgd_step, backend=backend_name))
+
+    expected = params
+    for _ in range(3):
+        expected, _ = step(expected, inputs, labels)
+
+    mesh = make_mesh(mode)
+    x_spec, head_spec, _ = LAYOUTS[layout]
+    with entered(mode, mesh):
+        sharded = {"embed": jax.device_put(params["embed"], NamedSharding(mesh, P())),
+                   "head": jax.device_put(params["head"], NamedSharding(mesh, head_spec))}
+        batch = jax.device_put(inputs, NamedSharding(mesh, x_spec))
+        for _ in range(3):
+            sharded, _ = step(sharded, batch, labels)
+    assert same_layout(sharded["head"], head_spec)
+    for name in params:
+        assert max_rel_error(sharded[name], expected[name]) < 1e-5, name
+
+
+# --- inside the caller's own shard_map ----------------------------------------------------------
+
+
+def test_inside_a_users_shard_map_with_tokens_and_vocab_split(backend_name):
+    """Per-shard sums (``vocab_axis_name`` combines the vocab), reduced by the caller's own psum."""
+    mesh = make_mesh("explicit")
+    x, labels, w = random_problem(8, (16,), H, V)
+    weight_total = float(np.sum(labels != -100))
+
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data", None), P("data"), P(None, "model")),
+                       out_specs=P())
+    def loss_fn(x_, y_, w_):
+        local = linear_cross_entropy(x_, y_, w_, reduction="sum", vocab_axis_name="model",
+                                     implementation=backend_name, **OPTIONS)
+        return jax.lax.psum(local, "data") / weight_total
+
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, P("data", None))
+        ys = jax.device_put(labels, P("data"))
+        ws = jax.device_put(w, P(None, "model"))
+        loss, (dx, dw) = jax.jit(jax.value_and_grad(lambda a, b: loss_fn(a, ys, b), argnums=(0, 1)))(xs, ws)
+    assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
+
+
+# --- ahead of time, for a TPU topology ----------------------------------------------------------
+
+AOT_N, AOT_H, AOT_V = 32768, 4096, 128256
+
+
+@pytest.fixture(scope="module")
+def v5p_2x2x1():
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("mesh_shape,w_spec", [((2, 2), P(None, "model")), ((4, 1), P(None, None))],
+                         ids=["data_x_vocab", "data_only"])
+def test_plain_call_compiles_for_a_v5p_topology_within_its_memory_bound(monkeypatch, v5p_2x2x1, backend,
+                                                                         mesh_shape, w_spec):
+    """The plain call under explicit sharding, compiled by libtpu for 4 v5p chips at Llama-3 scale."""
+    monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)  # compile the real kernels
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"), devices=v5p_2x2x1)
+    n, h, v = AOT_N, AOT_H, AOT_V
+
+    def arg(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    loss_fn = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, logsumexp_weight=1e-4, implementation=backend)  # noqa: E731
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 2))).lower(
+            arg((n, h), jnp.bfloat16, P("data", None)), arg((n,), jnp.int32, P("data")),
+            arg((h, v), jnp.bfloat16, w_spec)).compile()
+    hlo = compiled.as_text()
+    data, vocab = mesh_shape[0], (mesh_shape[1] if w_spec == P(None, "model") else 1)
+    bound = 4 * h * v / vocab + 8 * (n / data) * h + 64 * 2**20
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= bound, f"{temp / 2**20:.0f} MiB of temporaries per device > {bound / 2**20:.0f} MiB"
+    assert all_gathers(hlo) == []
+    assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")
+
+
+def test_automatic_sharding_for_a_topology_without_devices_is_refused_before_compiling(v5p_2x2x1):
+    """libtpu's compile-only client has no partitioner for custom_partitioning: say so at trace time."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=v5p_2x2x1)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    labels = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        with pytest.raises(UnsupportedError, match=r"compiling ahead of time for devices that are not here.*explicit axes"):
+            jax.jit(lambda a, b, c: linear_cross_entropy(a, b, c, implementation="xla")).lower(x, labels, w)
