@@ -124,6 +124,15 @@ def test_eager_calls_on_sharded_arrays(backend_name, mode):
     assert_matches_oracle(loss, dx, dw, oracle(x, labels, w))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_one_device_mesh(backend_name, mode):
+    """Explicit axes of size 1 still type arrays as split along them; the call must not trip on that."""
+    mesh = make_mesh(mode, (1, 1))
+    x, labels, w = random_problem(9, (4, 6), H, V)
+    loss_fn = lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend_name, **OPTIONS)  # noqa: E731
+    loss, dx, dw, _ = value_grads_and_hlo(mode, mesh, loss_fn, x, w, P("data", None, None), P(None, "model"))
+    assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
+
 def test_automatic_sharding_of_tokens_and_vocab_that_do_not_divide_evenly(backend_name):
     """GSPMD pads the last token shard (its rows must add nothing); an uneven vocab is gathered, with a warning."""
     mesh = make_mesh("auto")

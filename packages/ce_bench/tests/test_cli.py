@@ -165,10 +165,12 @@ def test_list_and_sharding_subcommands(tmp_path: Path, capsys: pytest.CaptureFix
 
     json_path = tmp_path / "sharding.json"
     assert cli.main(["sharding", "--backends", "reference", "--shapes", "64x32x512", "--meshes", "1x1,2x2",
-                     "--json", str(json_path)]) == 0
+                     "--calls", "wrapper,explicit,auto", "--time", "1", "--json", str(json_path)]) == 0
     records = json.loads(json_path.read_text())
-    assert [record["mesh"] for record in records] == ["1x1", "2x2"]
-    assert all(record["status"] == "ok" for record in records), records
+    assert [(r["mesh"], r["call"]) for r in records] == [(m, c) for m in ("1x1", "2x2") for c in ("wrapper", "explicit", "auto")]
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in records), records
+    sharded = [r["temp_bytes"] for r in records if r["mesh"] == "2x2"]
+    assert max(sharded) < min(r["temp_bytes"] for r in records if r["mesh"] == "1x1")  # each call splits the work
     assert "per-device temp" in capsys.readouterr().out
 
 

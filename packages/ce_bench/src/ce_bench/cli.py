@@ -4,7 +4,7 @@ print the table, write JSON and a PNG.
     ce-bench [--backends a,b] [--shapes small,llama3-8b,NxHxV] [--dtype float32] [--reduction mean]
              [--repeats 5] [--json PATH] [--plot PATH] [--out DIR] [--compile-only] ...
     ce-bench aot --target v4|v5e|v5p|v6e [--shapes ...] [--dtype bfloat16] ...
-    ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8]
+    ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8] [--calls wrapper,explicit,auto] [--time REPEATS]
     ce-bench report RESULTS.json [...] [--plot PATH] [--format markdown]
     ce-bench list
 """
@@ -202,6 +202,12 @@ def main_sharding(argv: Sequence[str]) -> int:
     parser.add_argument("--dtype", default="bfloat16", help="dtype of x and w")
     parser.add_argument("--meshes", default=",".join(f"{d}x{m}" for d, m in sharded_memory.DEFAULT_MESHES),
                         help="comma-separated DATAxVOCAB mesh shapes")
+    parser.add_argument("--calls", default="wrapper",
+                        help="comma-separated ways of calling the loss: wrapper (sharded_linear_cross_entropy), "
+                             "explicit (plain call, Explicit mesh axes), auto (plain call, Auto axes / GSPMD)")
+    parser.add_argument("--time", type=int, default=0, metavar="REPEATS",
+                        help="also run each compiled program REPEATS times on random inputs, interleaved "
+                             "(0: compile only; the shapes must then fit this machine)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
     args = parser.parse_args(argv)
     try:
@@ -210,13 +216,21 @@ def main_sharding(argv: Sequence[str]) -> int:
         meshes = [tuple(int(part) for part in item.lower().split("x")) for item in args.meshes.split(",")]
         if any(len(mesh) != 2 or min(mesh) < 1 for mesh in meshes):
             raise ValueError(f"--meshes must be DATAxVOCAB pairs, got {args.meshes!r}")
+        calls = [c.strip() for c in args.calls.split(",") if c.strip()]
+        unknown = sorted(set(calls) - set(sharded_memory.CALLS))
+        if unknown or not calls:
+            raise ValueError(f"--calls must name some of {sharded_memory.CALLS}, got {args.calls!r}")
+        if args.time < 0:
+            raise ValueError(f"--time must be >= 0, got {args.time}")
     except ValueError as error:
         parser.error(str(error))
     sharded_memory.request_simulated_devices(max(sharded_memory.DEVICE_COUNT, *(d * m for d, m in meshes)))
     records = []
     for shape in shapes:
         records += sharded_memory.sweep([b.strip() for b in args.backends.split(",") if b.strip()],
-                                        shape.n, shape.h, shape.v, dtype.name, meshes)
+                                        shape.n, shape.h, shape.v, dtype.name, meshes, calls)
+    if args.time:
+        sharded_memory.time_calls(records, repeats=args.time)
     print(sharded_memory.format_table(records))
     if args.json:
         import json  # noqa: PLC0415

@@ -1,18 +1,29 @@
-"""Per-device temporary memory of the sharded loss on a simulated CPU mesh (compile only).
+"""The loss on a simulated CPU mesh: per-device memory (compile only) and, optionally, CPU time.
 
-``ce-bench sharding`` compiles ``jax.value_and_grad`` of :func:`ce_core.sharded_linear_cross_entropy`
-for several data x vocab meshes of simulated CPU devices and reads ``memory_analysis()`` of the
-SPMD program, whose sizes are per device. Nothing runs, so Llama-3-sized shapes are fine here.
+``ce-bench sharding`` compiles ``jax.value_and_grad`` (w.r.t. ``x`` and ``w``) of the mean loss on
+``data x vocab`` meshes of simulated CPU devices, called three ways (``CALLS``):
+
+- ``wrapper``: :func:`ce_core.sharded_linear_cross_entropy` with ``batch_axes``/``vocab_axis``;
+- ``explicit``: the plain :func:`ce_core.linear_cross_entropy` under ``jax.set_mesh`` of a
+  ``jax.make_mesh`` mesh (Explicit axes), inputs typed with their shardings;
+- ``auto``: the plain call on ``NamedSharding`` inputs of an Auto-axes mesh (GSPMD/Shardy).
+
+``x`` is split over ``data`` and ``w`` over ``vocab`` on V. ``memory_analysis()`` of the SPMD program
+gives per-device sizes, so Llama-3-sized shapes compile here without running. With ``time`` the
+programs also run on random inputs, interleaved round-robin per mesh (:mod:`ce_bench.timing`);
+8 simulated devices share this machine's cores, so times compare calls, not hardware.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
 
 DEVICE_COUNT = 8
 DEFAULT_MESHES = ((1, 1), (8, 1), (2, 4), (1, 8))
+CALLS = ("wrapper", "explicit", "auto")
 
 
 def request_simulated_devices(count: int = DEVICE_COUNT) -> None:
@@ -22,34 +33,48 @@ def request_simulated_devices(count: int = DEVICE_COUNT) -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={count}".strip()
 
 
-def sharded_temp_bytes(
-    backend: str, n: int, h: int, v: int, dtype: str, data: int, vocab: int
-) -> dict[str, Any]:
-    """Compile fwd+bwd on a ``data x vocab`` mesh; per-device temp and argument bytes, or the error."""
+def _program(backend: str, call: str, data: int, vocab: int) -> tuple[Any, Any, dict[str, Any]]:
+    """``(jitted value_and_grad, mesh context, shardings)`` of one way of calling the loss."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from ce_core import sharded_linear_cross_entropy
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from ce_core import linear_cross_entropy, sharded_linear_cross_entropy
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     devices = jax.devices("cpu")
     if len(devices) < data * vocab:
         raise RuntimeError(f"need {data * vocab} CPU devices, JAX has {len(devices)}; call request_simulated_devices() first")
-    mesh = Mesh(np.array(devices[: data * vocab]).reshape(data, vocab), ("data", "vocab"))
+    axis_type = AxisType.Explicit if call == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((data, vocab), ("data", "vocab"), axis_types=(axis_type,) * 2, devices=devices[: data * vocab])
     vocab_axis = "vocab" if vocab > 1 else None
+    if call == "wrapper":
+        def loss(x, labels, w):
+            return sharded_linear_cross_entropy(x, labels, w, mesh=mesh, batch_axes=("data",), vocab_axis=vocab_axis,
+                                                implementation=backend)
+    elif call in ("explicit", "auto"):
+        def loss(x, labels, w):
+            return linear_cross_entropy(x, labels, w, implementation=backend)
+    else:
+        raise ValueError(f"unknown call {call!r}; one of {CALLS}")
+    shardings = dict(x=NamedSharding(mesh, PartitionSpec("data", None)), labels=NamedSharding(mesh, PartitionSpec("data")),
+                     w=NamedSharding(mesh, PartitionSpec(None, vocab_axis)))
+    context = jax.set_mesh(mesh) if call == "explicit" else contextlib.nullcontext()
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2))), context, shardings
 
-    def loss(x, labels, w):
-        return sharded_linear_cross_entropy(x, labels, w, mesh=mesh, batch_axes=("data",), vocab_axis=vocab_axis,
-                                            implementation=backend)
 
-    def spec(shape, dt, partition):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, PartitionSpec(*partition)))
+def sharded_temp_bytes(
+    backend: str, n: int, h: int, v: int, dtype: str, data: int, vocab: int, call: str = "wrapper"
+) -> dict[str, Any]:
+    """Compile fwd+bwd on a ``data x vocab`` mesh; per-device temp and argument bytes, or the error."""
+    import jax
+    import jax.numpy as jnp
 
-    args = (spec((n, h), jnp.dtype(dtype), ("data", None)), spec((n,), jnp.int32, ("data",)),
-            spec((h, v), jnp.dtype(dtype), (None, vocab_axis)))
-    record: dict[str, Any] = dict(backend=backend, n=n, h=h, v=v, dtype=dtype, mesh=f"{data}x{vocab}")
+    record: dict[str, Any] = dict(backend=backend, call=call, n=n, h=h, v=v, dtype=dtype, mesh=f"{data}x{vocab}")
     try:
-        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 2))).lower(*args).compile()
+        step, context, shardings = _program(backend, call, data, vocab)
+        args = (jax.ShapeDtypeStruct((n, h), jnp.dtype(dtype), sharding=shardings["x"]),
+                jax.ShapeDtypeStruct((n,), jnp.int32, sharding=shardings["labels"]),
+                jax.ShapeDtypeStruct((h, v), jnp.dtype(dtype), sharding=shardings["w"]))
+        with context:
+            compiled = step.lower(*args).compile()
     except Exception as error:  # noqa: BLE001 - reported in the table, the sweep goes on
         record.update(status=f"error: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
         return record
@@ -59,24 +84,67 @@ def sharded_temp_bytes(
     return record
 
 
+def time_calls(records: list[dict[str, Any]], *, repeats: int, seed: int = 0) -> None:
+    """Run every compiled record's program on random inputs, interleaved per mesh; adds ``median_ms``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ce_bench.timing import interleaved
+
+    by_mesh: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for record in records:
+        if record["status"] == "ok":
+            by_mesh.setdefault((record["mesh"], record["n"], record["h"], record["v"], record["dtype"]), []).append(record)
+    for (mesh, n, h, v, dtype), group in by_mesh.items():
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((n, h), np.float32)
+        w = (rng.standard_normal((h, v), np.float32) / np.sqrt(h)).astype(np.float32)
+        labels = rng.integers(0, v, n).astype(np.int32)
+        data, vocab = (int(part) for part in mesh.split("x"))
+        contenders = {}
+        for record in group:
+            step, context, shardings = _program(record["backend"], record["call"], data, vocab)
+            with context:
+                args = (jax.device_put(jnp.asarray(x, dtype), shardings["x"]), jax.device_put(labels, shardings["labels"]),
+                        jax.device_put(jnp.asarray(w, dtype), shardings["w"]))
+
+            def run(step=step, context=context, args=args):
+                with context:
+                    return step(*args)
+
+            contenders[f"{record['backend']}/{record['call']}"] = run
+        timings = interleaved(contenders, repeats=repeats)
+        for record in group:
+            timing = timings[f"{record['backend']}/{record['call']}"]
+            record["median_ms"] = timing.median_ms
+            if timing.error:
+                record["status"] = f"error when run: {timing.error}"
+
+
 def sweep(backends: Sequence[str], n: int, h: int, v: int, dtype: str,
-          meshes: Sequence[tuple[int, int]] = DEFAULT_MESHES) -> list[dict[str, Any]]:
-    """:func:`sharded_temp_bytes` for every backend and mesh."""
-    return [sharded_temp_bytes(b, n, h, v, dtype, d, m) for b in backends for d, m in meshes]
+          meshes: Sequence[tuple[int, int]] = DEFAULT_MESHES,
+          calls: Sequence[str] = ("wrapper",)) -> list[dict[str, Any]]:
+    """:func:`sharded_temp_bytes` for every backend, call and mesh."""
+    return [sharded_temp_bytes(b, n, h, v, dtype, d, m, c) for d, m in meshes for b in backends for c in calls]
 
 
 def format_table(records: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table of a :func:`sweep`, with each mesh's saving against the 1x1 mesh."""
-    unsharded = {r["backend"]: r.get("temp_bytes") for r in records if r["mesh"] == "1x1"}
-    lines = ["| backend | N x H x V, dtype | mesh (data x vocab) | per-device temp | vs 1 device | per-device args |",
-             "|---|---|---|---|---|---|"]
+    """A Markdown table of a :func:`sweep`, with each mesh's saving against the same call on 1x1."""
+    unsharded = {(r["backend"], r.get("call", "wrapper")): r.get("temp_bytes") for r in records if r["mesh"] == "1x1"}
+    timed = any("median_ms" in r for r in records)
+    lines = ["| backend | call | N x H x V, dtype | mesh (data x vocab) | per-device temp | vs 1 device | per-device args |"
+             + (" fwd+bwd time |" if timed else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if timed else "")]
     for r in records:
+        call = r.get("call", "wrapper")
         shape = f"{r['n']} x {r['h']} x {r['v']}, {r['dtype']}"
         if r["status"] != "ok":
-            lines.append(f"| {r['backend']} | {shape} | {r['mesh']} | {r['status']} | | |")
+            lines.append(f"| {r['backend']} | {call} | {shape} | {r['mesh']} | {r['status']} | | |" + (" |" if timed else ""))
             continue
-        base = unsharded.get(r["backend"])
+        base = unsharded.get((r["backend"], call))
         ratio = f"{r['temp_bytes'] / base:.3f}x" if base else "n/a"
-        lines.append(f"| {r['backend']} | {shape} | {r['mesh']} | {r['temp_bytes'] / 2**20:,.1f} MiB | {ratio} "
-                     f"| {r['argument_bytes'] / 2**20:,.1f} MiB |")
+        time = f" {r['median_ms']:,.0f} ms |" if r.get("median_ms") is not None else (" |" if timed else "")
+        lines.append(f"| {r['backend']} | {call} | {shape} | {r['mesh']} | {r['temp_bytes'] / 2**20:,.1f} MiB | {ratio} "
+                     f"| {r['argument_bytes'] / 2**20:,.1f} MiB |" + time)
     return "\n".join(lines)

@@ -127,10 +127,12 @@ def find_placement(x: jax.Array, labels: jax.Array, w: jax.Array, vocab_axis_nam
         vocab = (vocab_axis_name,) if vocab_axis_name is not None else ()
         return Placement("local", vocab_axes=vocab, typed=inside_shard_map)
     mesh = typed_mesh(x, w, labels)
-    if mesh is None or mesh.size == 1:
+    if mesh is None:
         return LOCAL
-    if mesh.explicit_axes:
+    if mesh.explicit_axes:  # even of size 1: explicit types reject ops that split along their axes
         return explicit_placement(mesh, x, w)
+    if mesh.size == 1:
+        return LOCAL
     _check_compilable_here(mesh)
     return Placement("partitioned", mesh=mesh)
 
