@@ -26,14 +26,18 @@ class Case:
     logsumexp_weight: float = 0.0
     logit_soft_cap: float | None = None
     label_smoothing: float = 0.0
+    temperature: float = 1.0
 
     def options(self) -> dict[str, Any]:
-        return dict(
+        options: dict[str, Any] = dict(
             reduction=self.reduction,
             logsumexp_weight=self.logsumexp_weight,
             logit_soft_cap=self.logit_soft_cap,
             label_smoothing=self.label_smoothing,
         )
+        if self.temperature != 1.0:
+            options["temperature"] = self.temperature
+        return options
 
 
 def compare_with_oracle(

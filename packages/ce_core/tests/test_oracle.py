@@ -10,11 +10,11 @@ import itertools
 
 import numpy as np
 import pytest
-from ce_core.testing import max_rel_error, oracle, random_problem
+from ce_core.testing import log_probs_oracle, max_rel_error, oracle, random_problem
 
 OPTIONS = [
-    dict(reduction=r, logsumexp_weight=lam, logit_soft_cap=cap, label_smoothing=eps)
-    for r, lam, cap, eps in itertools.product(("mean", "sum", "none"), (0.0, 0.01), (None, 1.5), (0.0, 0.2))
+    dict(reduction=r, logsumexp_weight=lam, logit_soft_cap=cap, label_smoothing=eps, temperature=t)
+    for r, lam, cap, eps, t in itertools.product(("mean", "sum", "none"), (0.0, 0.01), (None, 1.5), (0.0, 0.2), (1.0, 0.7))
 ]
 
 
@@ -40,6 +40,46 @@ def test_gradients_match_finite_differences(options):
         numeric = (objective(plus["x"], plus["w"], plus["weights"]) - objective(minus["x"], minus["w"], minus["weights"])) / (2 * step)
         analytic = float(np.sum(gradient * direction))
         assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (name, numeric, analytic)
+
+
+def _directional_check(objective, values: dict, gradients: dict, rng) -> None:
+    """Central differences of ``objective`` along a random direction in each argument vs the analytic gradient."""
+    step = 1e-6
+    for name, gradient in gradients.items():
+        direction = rng.standard_normal(values[name].shape)
+        plus = dict(values, **{name: values[name] + step * direction})
+        minus = dict(values, **{name: values[name] - step * direction})
+        numeric = (objective(**plus) - objective(**minus)) / (2 * step)
+        analytic = float(np.sum(gradient * direction))
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (name, numeric, analytic)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+@pytest.mark.parametrize("cap", [None, 1.5])
+def test_log_probs_oracle_gradients_match_finite_differences(temperature, cap):
+    rng = np.random.default_rng(5)
+    x, labels, w = random_problem(6, (3, 4), 5, 7, ignore_fraction=0.25)
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    g_logp, g_ent = rng.standard_normal(labels.shape), rng.standard_normal(labels.shape)
+    options = dict(temperature=temperature, logit_soft_cap=cap)
+
+    def objective(x, w):
+        out = log_probs_oracle(x, labels, w, **options)
+        return float(np.sum(g_logp * out["logp"] + g_ent * out["entropy"]))
+
+    result = log_probs_oracle(x, labels, w, logp_cotangent=g_logp, entropy_cotangent=g_ent, **options)
+    _directional_check(objective, {"x": x, "w": w}, {"x": result["dx"], "w": result["dw"]}, rng)
+
+
+def test_log_probs_oracle_from_the_textbook():
+    x, labels, w = random_problem(7, (9,), 6, 11, ignore_fraction=0.3)
+    logits = (x.astype(np.float64) @ w.astype(np.float64)) / 0.8
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    counted = labels != -100
+    result = log_probs_oracle(x, labels, w, temperature=0.8)
+    np.testing.assert_allclose(result["logp"][counted], np.log(p[np.arange(9), np.where(counted, labels, 0)][counted]), rtol=1e-12)
+    np.testing.assert_allclose(result["entropy"][counted], -(p * np.log(p)).sum(-1)[counted], rtol=1e-12)
+    assert not result["logp"][~counted].any() and not result["entropy"][~counted].any()
 
 
 def test_plain_loss_is_the_textbook_cross_entropy():

@@ -3,9 +3,10 @@
 Importing this package imports no backend; a backend is loaded the first time its name is used.
 """
 
-from ce_core.backend import CONTRACT_VERSION, Backend, CotangentFn, Problem, RowStats, StatsSpec
+from ce_core.backend import CONTRACT_VERSION, Backend, CotangentFn, Problem, RowStats, StatsSpec, localize_cotangent
 from ce_core.block_sizes import BlockSizes
 from ce_core.errors import FallbackWarning, UnsupportedError
+from ce_core.log_probs import linear_log_probs
 from ce_core.loss import linear_cross_entropy
 from ce_core.sharding import sharded_linear_cross_entropy
 from ce_core.registry import (
@@ -32,8 +33,10 @@ __all__ = [
     "available_backends",
     "default_chain",
     "get_backend",
+    "localize_cotangent",
     "installed_backends",
     "linear_cross_entropy",
+    "linear_log_probs",
     "register_backend",
     "sharded_linear_cross_entropy",
     "unregister_backend",

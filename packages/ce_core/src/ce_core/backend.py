@@ -2,14 +2,19 @@
 
 A backend never sees the loss. For each token row ``z_i`` it computes
 
-    lse_i    = logsumexp_j z_ij
-    label_i  = z_{i, y_i}          (0 when y_i is outside [0, V): a label owned by another vocab shard)
-    sum_i    = sum_j z_ij          (only when ``StatsSpec.with_sum``)
+    lse_i      = logsumexp_j z_ij
+    label_i    = z_{i, y_i}          (0 when y_i is outside [0, V): a label owned by another vocab shard)
+    sum_i      = sum_j z_ij          (only when ``StatsSpec.with_sum``)
+    expected_i = sum_j p_ij z_ij     (only when ``StatsSpec.with_expected``; p = softmax(z_i))
 
-and differentiates them: for cotangents ``(g_lse, g_label, g_sum)`` the logit cotangent is
-``delta_ij = g_lse_i * softmax_ij + g_label_i * [j == y_i] + g_sum_i``, times ``cap'(z)`` when the
-logits are capped; ``dx = delta @ w.T`` and ``dw = x.T @ delta``. Every loss feature is built from
-these statistics in :mod:`ce_core.loss`, once, for every backend.
+and differentiates them: for cotangents ``(g_lse, g_label, g_sum, g_expected)`` the logit cotangent is
+``delta_ij = g_lse_i p_ij + g_label_i [j == y_i] + g_sum_i + g_expected_i p_ij (1 + z_ij - expected_i)``,
+times ``cap'(z)`` when the logits are capped; ``dx = delta @ w.T`` and ``dw = x.T @ delta``. Every
+loss feature (and the entropy, ``lse - expected``) is built from these statistics in ce_core, once,
+for every backend.
+
+Contract versions: 1 had ``lse``, ``label`` and ``sum``; 2 adds ``expected`` and
+:meth:`Backend.row_stats_vjp`. A version-1 backend still runs every call that needs no ``expected``.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import jax.numpy as jnp
 from ce_core.block_sizes import BlockSizes
 from ce_core.varying import vary_like
 
-#: Bumped whenever the contract below changes incompatibly. A backend declares the version it was
-#: written against; the registry refuses a backend whose version differs.
-CONTRACT_VERSION = 1
+#: Bumped whenever the contract below changes. A backend declares the version it was written
+#: against; the registry accepts the versions in :data:`SUPPORTED_CONTRACT_VERSIONS` and refuses a
+#: backend for a call that needs something its version lacks (so a fallback chain moves on).
+CONTRACT_VERSION = 2
+SUPPORTED_CONTRACT_VERSIONS = (1, 2)
 
 
 class RowStats(NamedTuple):
@@ -36,15 +43,26 @@ class RowStats(NamedTuple):
     lse: jax.Array
     label: jax.Array
     sum: jax.Array | None = None
+    expected: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class StatsSpec:
-    """Static options of a row-statistics computation (hashable, so usable as a jit static)."""
+    """Static options of a row-statistics computation (hashable, so usable as a jit static).
+
+    ``with_sum`` and ``with_expected`` ask for the optional statistics; a backend must return them
+    exactly when asked (``None`` otherwise), so a plain loss pays for neither.
+    """
 
     logit_soft_cap: float | None = None
     with_sum: bool = False
     block_sizes: BlockSizes | None = None
+    with_expected: bool = False
+
+    @property
+    def n_stats(self) -> int:
+        """How many statistics a row has under this spec (lse and label, plus the optional ones)."""
+        return 2 + self.with_sum + self.with_expected
 
 
 #: How a call is run over devices, as :attr:`Problem.placement` tells a backend:
@@ -114,20 +132,21 @@ class Backend(abc.ABC):
         x: jax.Array,
         w: jax.Array,
         labels: jax.Array,
-        lse: jax.Array,
+        stats: RowStats,
         cotangent: RowStats,
         spec: StatsSpec,
     ) -> tuple[jax.Array, jax.Array]:
-        """``dx, dw`` for cotangents of the statistics, given each row's ``lse``.
+        """``dx, dw`` for cotangents of the statistics, given the statistics of the whole rows.
 
-        ``lse`` may be the logsumexp over a larger vocabulary than this ``w`` holds (``w`` is then
-        one vocab shard), so the softmax term is ``cotangent.lse * exp(z - lse)``: the shard's
-        share of the global softmax. A backend whose backward pass starts from the lse overrides
-        this to skip recomputing the statistics; this default differentiates :meth:`row_stats`,
-        rescaling the lse cotangent from the given lse to this ``w``'s own.
+        ``stats`` may cover a larger vocabulary than this ``w`` holds (``w`` is then one vocab shard):
+        its ``lse`` (and ``expected``) are over the whole row, so ``p = exp(z - stats.lse)`` is the
+        shard's part of the global softmax and the formula in the module docstring gives the shard's
+        part of ``delta`` as it stands. A backend whose backward pass starts from these statistics
+        overrides this to skip recomputing them; this default differentiates :meth:`row_stats`,
+        converting the cotangent to one of this ``w``'s own statistics (:func:`localize_cotangent`).
         """
         local, vjp = jax.vjp(lambda x_, w_: self.row_stats(x_, w_, labels, spec), x, w)
-        return vjp(vary_like(localize_cotangent(cotangent, local.lse, lse), local))
+        return vjp(vary_like(localize_cotangent(cotangent, local, stats), local))
 
     def row_stats_and_grads(
         self,
@@ -149,11 +168,18 @@ class Backend(abc.ABC):
         return stats, dx, dw
 
 
-def localize_cotangent(cotangent: RowStats, local_lse: jax.Array, lse: jax.Array) -> RowStats:
-    """The cotangent of statistics over a vocab slice, from that of statistics over the whole vocab.
+def localize_cotangent(cotangent: RowStats, local: RowStats, whole: RowStats) -> RowStats:
+    """The cotangent of a vocab slice's statistics, from that of the whole rows' statistics.
 
-    ``lse = log sum_k exp(local_lse_k)`` over the slices, so ``d lse / d local_lse_k`` is
-    ``exp(local_lse_k - lse)``; the label logit and logit sum are plain sums over the slices, so
-    their cotangents pass through. With one slice (``local_lse == lse``) this is the identity.
+    Over slices k, ``lse = log sum_k exp(lse_k)`` and ``expected = sum_k a_k expected_k`` with
+    ``a_k = exp(lse_k - lse)``, so ``d lse / d lse_k = a_k``, ``d expected / d expected_k = a_k`` and
+    ``d expected / d lse_k = a_k (expected_k - expected)``; the label logit and the logit sum are plain
+    sums over the slices, so their cotangents pass through. With one slice this is the identity.
     """
-    return cotangent._replace(lse=cotangent.lse * jnp.exp(local_lse - lse))
+    share = jnp.exp(local.lse - whole.lse)
+    g_lse = cotangent.lse
+    g_expected = None
+    if cotangent.expected is not None:
+        g_lse = g_lse + cotangent.expected * (local.expected - whole.expected)
+        g_expected = share * cotangent.expected
+    return cotangent._replace(lse=share * g_lse, expected=g_expected)

@@ -18,12 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import ops, validation
-from ce_core.backend import Backend, Problem, RowStats, StatsSpec
+from ce_core.backend import Backend, RowStats, StatsSpec
 from ce_core.block_sizes import BlockSizes
-from ce_core.placement import Placement, find_placement, place
-from ce_core.registry import select_backend
-from ce_core.varying import align_varying
-from ce_core.vocab_parallel import vocab_shards
+from ce_core.placement import Placement, find_placement
+from ce_core.prepare import prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +55,7 @@ def linear_cross_entropy(
     logsumexp_weight: float = 0.0,
     logit_soft_cap: float | None = None,
     label_smoothing: float = 0.0,
+    temperature: float = 1.0,
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     block_sizes: BlockSizes | None = None,
@@ -75,6 +74,7 @@ def linear_cross_entropy(
       logsumexp_weight: z-loss coefficient ``lam``: adds ``lam * lse**2`` per token.
       logit_soft_cap: ``c``: logits become ``c * tanh(z / c)`` before the softmax.
       label_smoothing: ``eps`` in ``[0, 1)``, the ``optax.smooth_labels`` convention.
+      temperature: ``T > 0``: the logits are ``cap(x . w) / T``; every feature applies to those.
       return_lse: also return the per-token logsumexp (float32, shape of ``labels``).
       implementation: ``None`` for the platform's default chain, a backend name, or a sequence
         of names tried in order (falling back, with a warning, past backends that cannot run it).
@@ -102,13 +102,13 @@ def linear_cross_entropy(
     weights = None if weights is None else validation.as_array(weights, "weights")
     validation.check_arrays(x, labels, w, weights)
     validation.check_options(reduction, ignore_index, logsumexp_weight, logit_soft_cap, label_smoothing)
-    if vocab_axis_name is not None and not isinstance(vocab_axis_name, str):
-        raise ValueError(f"vocab_axis_name must be None or a mesh axis name (str), got {vocab_axis_name!r}")
+    validation.check_temperature(temperature)
+    validation.check_vocab_axis_name(vocab_axis_name)
     return loss_with_placement(
         x, labels, w, find_placement(x, labels, w, vocab_axis_name),
         reduction=reduction, weights=weights, ignore_index=ignore_index, logsumexp_weight=logsumexp_weight,
-        logit_soft_cap=logit_soft_cap, label_smoothing=label_smoothing, return_lse=return_lse,
-        implementation=implementation, block_sizes=block_sizes,
+        logit_soft_cap=logit_soft_cap, label_smoothing=label_smoothing, temperature=temperature,
+        return_lse=return_lse, implementation=implementation, block_sizes=block_sizes,
     )
 
 
@@ -124,52 +124,23 @@ def loss_with_placement(
     logsumexp_weight: float,
     logit_soft_cap: float | None,
     label_smoothing: float,
+    temperature: float,
     return_lse: bool,
     implementation: str | Sequence[str] | None,
     block_sizes: BlockSizes | None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`linear_cross_entropy` on validated arrays, run as ``placement`` says."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes must be None or a ce_core.BlockSizes, got {block_sizes!r}")
-    hidden, local_vocab = w.shape
-    if placement.kind == "local" and placement.vocab_axes:
-        vocab = local_vocab * vocab_shards(placement.vocab_axes)
-    else:
-        vocab = local_vocab
-        validation.check_concrete_labels(labels, vocab, ignore_index)
-    if placement.kind == "shard_map":
-        x = place(x, placement.mesh, placement.spec("x"))
-        labels = place(labels, placement.mesh, placement.spec("tokens"))
-        w = place(w, placement.mesh, placement.spec("w"))
-        weights = None if weights is None else place(weights, placement.mesh, placement.spec("tokens"))
+    call = prepare(x, labels, w, placement, weights=weights, ignore_index=ignore_index,
+                   logit_soft_cap=logit_soft_cap, temperature=temperature, with_sum=label_smoothing > 0,
+                   with_expected=False, implementation=implementation, block_sizes=block_sizes)
+    config = LossConfig(float(label_smoothing), float(logsumexp_weight), call.vocab)
+    token_weights = call.counted.astype(jnp.float32)
+    if call.weights is not None:
+        token_weights = token_weights * call.weights.astype(jnp.float32)
 
-    spec = StatsSpec(
-        logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
-        with_sum=label_smoothing > 0,
-        block_sizes=block_sizes,
-    )
-    config = LossConfig(float(label_smoothing), float(logsumexp_weight), vocab)
-    n_tokens = labels.size
-    problem = Problem(n_tokens // placement.token_shards(), hidden, local_vocab // placement.vocab_shards(),
-                      x.dtype, w.dtype, spec, placement.kind)
-    backend = select_backend(implementation, problem)
-
-    y = labels.astype(jnp.int32)
-    counted = y != ignore_index
-    in_vocab = (y >= 0) & (y < vocab)
-    # A counted label outside the vocab makes that token's loss NaN; the backend only ever sees
-    # safe labels, and ignored tokens get weight 0.
-    nan_if_bad = jnp.where(counted & ~in_vocab, jnp.nan, 0.0).astype(jnp.float32)
-    safe_y = jnp.where(counted & in_vocab, y, 0)
-    token_weights = counted.astype(jnp.float32)
-    if weights is not None:
-        token_weights = token_weights * weights.astype(jnp.float32)
-    if placement.typed:  # inside the caller's shard_map: see ce_core.varying.align_varying
-        x, w, safe_y = align_varying(x, w, safe_y)
-
-    if reduction == "none" or return_lse or n_tokens == 0:
-        stats = _row_stats(backend, spec, placement, x, w, safe_y)
-        per_token = token_weights * token_losses(stats, config) + nan_if_bad
+    if reduction == "none" or return_lse or call.labels.size == 0:
+        stats = call.row_stats()
+        per_token = token_weights * token_losses(stats, config) + call.nan_if_bad
         if reduction == "none":
             loss = per_token
         elif reduction == "sum":
@@ -180,23 +151,14 @@ def loss_with_placement(
 
     if reduction == "mean":
         token_weights = token_weights / _safe_total(token_weights)
-    reduced = _reduced_loss_fn(backend, spec, config, placement)
-    return reduced(x, w, safe_y, token_weights) + jnp.sum(nan_if_bad)
+    reduced = _reduced_loss_fn(call.backend, call.spec, config, call.placement)
+    return reduced(call.x, call.w, call.labels, token_weights) + jnp.sum(call.nan_if_bad)
 
 
 def _safe_total(token_weights: jax.Array) -> jax.Array:
     """The mean's denominator; 1 when all weights are 0, so an all-ignored batch gives loss 0."""
     total = jnp.sum(token_weights)
     return jnp.where(total == 0, 1.0, total)
-
-
-def _row_stats(backend: Backend, spec: StatsSpec, placement: Placement, x: jax.Array, w: jax.Array,
-               labels: jax.Array) -> RowStats:
-    """Row statistics over the whole vocabulary, shaped like ``labels``."""
-    if labels.size == 0:  # nothing to stream over; every backend would need a special case
-        empty = jnp.zeros(labels.shape, jnp.float32)
-        return RowStats(empty, empty, empty if spec.with_sum else None)
-    return ops.row_stats(backend, spec, placement, x, w, labels)
 
 
 @functools.lru_cache(maxsize=256)

@@ -53,7 +53,7 @@ def row_stats_and_grads(backend: Backend, spec: StatsSpec, placement: Placement,
                         coefficients: jax.Array) -> tuple[RowStats, jax.Array, jax.Array]:
     """Statistics with ``dx`` and ``dw`` (dtypes of ``x`` and ``w``) for ``cotangent_fn``'s cotangents."""
     out = run(RowStatsAndGradsFn(backend, spec, cotangent_fn), placement, x, w, labels, coefficients)
-    return stats_from(out, spec.with_sum), out[-2], out[-1]
+    return stats_from(out, spec), out[-2], out[-1]
 
 
 @functools.lru_cache(maxsize=256)
@@ -62,15 +62,15 @@ def _row_stats_op(backend: Backend, spec: StatsSpec, placement: Placement):
     backward_fn = RowStatsVjpFn(backend, spec)
 
     def stats(x, w, labels):
-        return stats_from(run(forward_fn, placement, x, w, labels), spec.with_sum)
+        return stats_from(run(forward_fn, placement, x, w, labels), spec)
 
     def forward(x, w, labels):
         result = stats(x, w, labels)
-        return result, (x, w, labels, result.lse)
+        return result, (x, w, labels, result)
 
     def backward(residuals: Any, cotangent: RowStats):
-        x, w, labels, lse = residuals
-        dx, dw = run(backward_fn, placement, x, w, labels, lse, *stats_values(cotangent))
+        x, w, labels, result = residuals
+        dx, dw = run(backward_fn, placement, x, w, labels, *stats_values(result), *stats_values(cotangent))
         return dx, dw, None
 
     op = jax.custom_vjp(stats)

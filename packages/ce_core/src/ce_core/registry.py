@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from ce_core.backend import CONTRACT_VERSION, Backend, Problem
+from ce_core.backend import CONTRACT_VERSION, SUPPORTED_CONTRACT_VERSIONS, Backend, Problem
 from ce_core.errors import FallbackWarning, UnsupportedError
 
 ENTRY_POINT_GROUP = "ce_core.backends"
@@ -88,10 +88,11 @@ def _check_backend(name: str, backend: object) -> None:
         raise TypeError(f"factory of backend {name!r} returned {type(backend).__name__}, not a ce_core.Backend")
     if backend.contract_version is None:
         raise RuntimeError(f"backend {name!r} ({type(backend).__name__}) does not declare contract_version")
-    if backend.contract_version != CONTRACT_VERSION:
+    if backend.contract_version not in SUPPORTED_CONTRACT_VERSIONS:
         raise RuntimeError(
             f"backend {name!r} implements ce_core backend contract version {backend.contract_version}, "
-            f"but this ce_core speaks version {CONTRACT_VERSION}; install matching versions"
+            f"but this ce_core speaks versions {list(SUPPORTED_CONTRACT_VERSIONS)} (current: {CONTRACT_VERSION}); "
+            "install matching versions"
         )
 
 
@@ -152,6 +153,9 @@ def select_backend(implementation: str | Sequence[str] | None, problem: Problem)
 def _ensure_runs(backend: Backend, problem: Problem) -> None:
     if not backend.is_available():
         raise UnsupportedError(f"backend {backend.name!r} is not available on platform {jax.default_backend()!r}")
+    if problem.spec.with_expected and (backend.contract_version or 0) < 2:
+        raise UnsupportedError(f"backend {backend.name!r} implements contract version {backend.contract_version}, "
+                               "which has no expected-logit statistic (entropy needs version 2)")
     backend.check(problem)
 
 

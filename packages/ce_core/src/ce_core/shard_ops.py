@@ -56,9 +56,8 @@ def _stats_out(stats: RowStats, shape: tuple[int, ...]) -> tuple[jax.Array, ...]
     return tuple(s.reshape(shape) for s in stats if s is not None)
 
 
-def _stats_in(values: tuple[jax.Array, ...], with_sum: bool) -> RowStats:
-    flat = [v.reshape(-1) for v in values]
-    return RowStats(flat[0], flat[1], flat[2] if with_sum else None)
+def _stats_in(values: tuple[jax.Array, ...], spec: StatsSpec) -> RowStats:
+    return stats_from(tuple(v.reshape(-1) for v in values), spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +73,7 @@ class ShardFn:
 
     @property
     def n_stats(self) -> int:
-        return 3 if self.spec.with_sum else 2
+        return self.spec.n_stats
 
     @property
     def out_kinds(self) -> tuple[str, ...]:
@@ -105,21 +104,22 @@ class RowStatsFn(ShardFn):
 
 @dataclasses.dataclass(frozen=True)
 class RowStatsVjpFn(ShardFn):
-    """``(x, w, labels, lse, g_lse, g_label[, g_sum]) -> (dx, dw)``, given the global lse."""
+    """``(x, w, labels, *stats, *cotangents) -> (dx, dw)``, given the whole rows' statistics."""
 
     @property
     def in_kinds(self) -> tuple[str, ...]:
-        return ("x", "w", "tokens", "tokens") + ("tokens",) * self.n_stats
+        return ("x", "w", "tokens") + ("tokens",) * (2 * self.n_stats)
 
     @property
     def out_kinds(self) -> tuple[str, ...]:
         return ("x", "w")
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
-        x, w, labels, lse, *cotangent = args
-        xf, w_, yf, lse_f, ct = align_varying(_flat_rows(x), w, labels.reshape(-1), lse.reshape(-1),
-                                              _stats_in(tuple(cotangent), self.spec.with_sum))
-        dx, dw = self.backend.row_stats_vjp(xf, w_, yf - vocab_offset(axes.vocab, w.shape[1]), lse_f, ct, self.spec)
+        x, w, labels = args[:3]
+        stats, cotangent = args[3:3 + self.n_stats], args[3 + self.n_stats:]
+        xf, w_, yf, stats_f, ct = align_varying(_flat_rows(x), w, labels.reshape(-1), _stats_in(stats, self.spec),
+                                                _stats_in(cotangent, self.spec))
+        dx, dw = self.backend.row_stats_vjp(xf, w_, yf - vocab_offset(axes.vocab, w.shape[1]), stats_f, ct, self.spec)
         dx = dx.astype(x.dtype).reshape(x.shape)
         return _sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes)
 
@@ -157,16 +157,19 @@ class RowStatsAndGradsFn(ShardFn):
         else:
             local, vjp = jax.vjp(lambda a, b: self.backend.row_stats(a, b, yf, self.spec), xf, w_)
             stats = combine_vocab_shards(local, axes.vocab)
-            cotangent: Any = localize_cotangent(self.cotangent_fn(stats, cf), local.lse, stats.lse)
+            cotangent: Any = localize_cotangent(self.cotangent_fn(stats, cf), local, stats)
             dx, dw = vjp(vary_like(cotangent, local))
         dx = dx.astype(x.dtype).reshape(x.shape)
         grads = (_sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes))
         return _stats_out(stats, labels.shape) + grads
 
 
-def stats_from(values: tuple[jax.Array, ...], with_sum: bool) -> RowStats:
-    """``RowStats`` from the leading outputs of a :class:`RowStatsFn` or :class:`RowStatsAndGradsFn`."""
-    return RowStats(values[0], values[1], values[2] if with_sum else None)
+def stats_from(values: tuple[jax.Array, ...], spec: StatsSpec) -> RowStats:
+    """``RowStats`` from the leading values in :func:`stats_values` order, as ``spec`` has them."""
+    rest = iter(values[2:])
+    total = next(rest) if spec.with_sum else None
+    expected = next(rest) if spec.with_expected else None
+    return RowStats(values[0], values[1], total, expected)
 
 
 def stats_values(stats: RowStats) -> tuple[jax.Array, ...]:

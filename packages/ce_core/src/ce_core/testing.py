@@ -23,12 +23,13 @@ def oracle(
     logsumexp_weight: float = 0.0,
     logit_soft_cap: float | None = None,
     label_smoothing: float = 0.0,
+    temperature: float = 1.0,
     cotangent: Any = None,
 ) -> dict[str, np.ndarray]:
     """Loss, per-token lse and the gradients ``dx``, ``dw``, ``dweights``, all float64.
 
     Gradients are of ``loss`` for scalar reductions, and of ``sum(cotangent * loss)`` for
-    ``reduction="none"`` (``cotangent`` defaults to ones).
+    ``reduction="none"`` (``cotangent`` defaults to ones). The logits are ``cap(x @ w) / temperature``.
     """
     x = np.asarray(x, np.float64)
     w = np.asarray(w, np.float64)
@@ -40,12 +41,7 @@ def oracle(
     n = y.shape[0]
     eps, lam = float(label_smoothing), float(logsumexp_weight)
 
-    raw = x2 @ w
-    if logit_soft_cap is not None:
-        logits = logit_soft_cap * np.tanh(raw / logit_soft_cap)
-        cap_grad = 1.0 - np.tanh(raw / logit_soft_cap) ** 2
-    else:
-        logits, cap_grad = raw, np.ones_like(raw)
+    logits, cap_grad = _tempered_logits(x2, w, logit_soft_cap, temperature)
     row_max = logits.max(axis=1)
     lse = row_max + np.log(np.exp(logits - row_max[:, None]).sum(axis=1))
     counted = y != ignore_index
@@ -86,6 +82,60 @@ def oracle(
         "dx": (delta @ w.T).reshape(x.shape),
         "dw": x2.T @ delta,
         "dweights": dweights.reshape(batch_shape),
+    }
+
+
+def _tempered_logits(x2: np.ndarray, w: np.ndarray, cap: float | None, temperature: float):
+    """``(z, dz/draw)`` for ``z = cap(x2 @ w) / temperature`` in float64."""
+    raw = x2 @ w
+    if cap is None:
+        return raw / temperature, np.full_like(raw, 1.0 / temperature)
+    t = np.tanh(raw / cap)
+    return cap * t / temperature, (1.0 - t**2) / temperature
+
+
+def log_probs_oracle(
+    x: Any,
+    labels: Any,
+    w: Any,
+    *,
+    temperature: float = 1.0,
+    logit_soft_cap: float | None = None,
+    ignore_index: int = -100,
+    logp_cotangent: Any = None,
+    entropy_cotangent: Any = None,
+) -> dict[str, np.ndarray]:
+    """``logp``, ``entropy`` and the gradients ``dx``, ``dw`` of ``sum(g_logp logp + g_ent entropy)``, float64.
+
+    From the definitions: ``p = softmax(z)``, ``logp_i = log p_{i, y_i}``, ``entropy_i = -sum_j p_ij log p_ij``
+    (0 for ignored tokens), with ``dz`` of the entropy ``-p (log p + entropy)``. Cotangents default to ones.
+    """
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    labels = np.asarray(labels)
+    batch_shape, hidden = x.shape[:-1], x.shape[-1]
+    x2, y = x.reshape(-1, hidden), labels.reshape(-1)
+    n = y.shape[0]
+    logits, dz_draw = _tempered_logits(x2, w, logit_soft_cap, temperature)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    p = np.exp(log_p)
+    counted = y != ignore_index
+    safe_y = np.where(counted, y, 0)
+    logp = np.where(counted, log_p[np.arange(n), safe_y], 0.0)
+    entropy = np.where(counted, -(p * log_p).sum(axis=1), 0.0)
+    g_logp = np.ones(n) if logp_cotangent is None else np.asarray(logp_cotangent, np.float64).reshape(-1)
+    g_ent = np.ones(n) if entropy_cotangent is None else np.asarray(entropy_cotangent, np.float64).reshape(-1)
+    g_logp, g_ent = g_logp * counted, g_ent * counted
+    one_hot = np.zeros_like(logits)
+    one_hot[np.arange(n), safe_y] = 1.0
+    dz = g_logp[:, None] * (one_hot - p) - g_ent[:, None] * p * (log_p + entropy[:, None])
+    delta = dz * dz_draw
+    return {
+        "logp": logp.reshape(batch_shape),
+        "entropy": entropy.reshape(batch_shape),
+        "dx": (delta @ w.T).reshape(x.shape),
+        "dw": x2.T @ delta,
     }
 
 

@@ -58,28 +58,45 @@ def check_options(
     logit_soft_cap: float | None,
     label_smoothing: float,
 ) -> None:
-    """The scalar options; each must be a concrete Python number."""
+    """The scalar options of the loss; each must be a concrete Python number."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_ignore_index(ignore_index)
+    if _check_number("logsumexp_weight", logsumexp_weight) < 0:
+        raise ValueError(f"logsumexp_weight must be >= 0, got {logsumexp_weight}")
+    if not 0 <= _check_number("label_smoothing", label_smoothing) < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    check_soft_cap(logit_soft_cap)
+
+
+def check_ignore_index(ignore_index: object) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    _check_number("logsumexp_weight", logsumexp_weight)
-    if logsumexp_weight < 0:
-        raise ValueError(f"logsumexp_weight must be >= 0, got {logsumexp_weight}")
-    _check_number("label_smoothing", label_smoothing)
-    if not 0 <= label_smoothing < 1:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if logit_soft_cap is not None:
-        _check_number("logit_soft_cap", logit_soft_cap)
-        if logit_soft_cap <= 0:
-            raise ValueError(f"logit_soft_cap must be None or > 0, got {logit_soft_cap}")
 
 
-def _check_number(name: str, value: object) -> None:
+def check_soft_cap(logit_soft_cap: object) -> None:
+    if logit_soft_cap is not None and _check_number("logit_soft_cap", logit_soft_cap) <= 0:
+        raise ValueError(f"logit_soft_cap must be None or > 0, got {logit_soft_cap}")
+
+
+def check_temperature(temperature: object) -> None:
+    """``temperature`` must be a finite Python number above 0."""
+    if _check_number("temperature", temperature) <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def check_vocab_axis_name(vocab_axis_name: object) -> None:
+    if vocab_axis_name is not None and not isinstance(vocab_axis_name, str):
+        raise ValueError(f"vocab_axis_name must be None or a mesh axis name (str), got {vocab_axis_name!r}")
+
+
+def _check_number(name: str, value: object) -> float:
+    """``value`` as a float, when it is a finite Python (or NumPy) number; else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name} must be a Python number (static, not traced), got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
 
 
 def check_concrete_labels(labels: jax.Array, vocab_size: int, ignore_index: int) -> None:

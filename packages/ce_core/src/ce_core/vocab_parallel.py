@@ -47,4 +47,9 @@ def combine_vocab_shards(local: RowStats, axes: tuple[str, ...]) -> RowStats:
     lse = peak + jnp.log(jax.lax.psum(jnp.exp(local.lse - peak), axes))
     label = jax.lax.psum(local.label, axes)
     total = None if local.sum is None else jax.lax.psum(local.sum, axes)
-    return RowStats(lse, label, total)
+    # Each shard's expected logit is under its own softmax; the row's weighs them by each shard's
+    # share of the probability mass, exp(lse_k - lse).
+    expected = None
+    if local.expected is not None:
+        expected = jax.lax.psum(jnp.exp(local.lse - lse) * local.expected, axes)
+    return RowStats(lse, label, total, expected)

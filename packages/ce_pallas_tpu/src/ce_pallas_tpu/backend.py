@@ -57,11 +57,11 @@ class PallasTpuBackend(Backend):
         x: jax.Array,
         w: jax.Array,
         labels: jax.Array,
-        lse: jax.Array,
+        stats: RowStats,
         cotangent: RowStats,
         spec: StatsSpec,
     ) -> tuple[jax.Array, jax.Array]:
-        return ops.row_stats_vjp(x, w, labels, lse, cotangent, spec)
+        return ops.row_stats_vjp(x, w, labels, stats.lse, cotangent, spec)
 
 
 def make_backend() -> PallasTpuBackend:

@@ -8,7 +8,7 @@ from ce_core import Backend, RowStats, StatsSpec
 
 
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
-    """lse, label logit and (optionally) logit sum of ``cap(x @ w)``, accumulated in float32."""
+    """lse, label logit and (optionally) logit sum and expected logit of ``cap(x @ w)``, in float32."""
     logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
     if spec.logit_soft_cap is not None:
         logits = spec.logit_soft_cap * jnp.tanh(logits / spec.logit_soft_cap)
@@ -18,14 +18,15 @@ def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) ->
     picked = jnp.take_along_axis(logits, jnp.where(in_vocab, labels, 0)[:, None], axis=-1)[:, 0]
     label = jnp.where(in_vocab, picked, 0.0)
     logit_sum = jnp.sum(logits, axis=-1) if spec.with_sum else None
-    return RowStats(lse, label, logit_sum)
+    expected = jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1) if spec.with_expected else None
+    return RowStats(lse, label, logit_sum, expected)
 
 
 class ReferenceBackend(Backend):
     """Materialises ``[N, V]`` logits; runs wherever XLA runs."""
 
     name = "reference"
-    contract_version = 1
+    contract_version = 2
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
         return row_stats(x, w, labels, spec)

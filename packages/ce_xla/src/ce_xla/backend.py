@@ -58,11 +58,11 @@ class XlaBackend(Backend):
         x: jax.Array,
         w: jax.Array,
         labels: jax.Array,
-        lse: jax.Array,
+        stats: RowStats,
         cotangent: RowStats,
         spec: StatsSpec,
     ) -> tuple[jax.Array, jax.Array]:
-        return backward.row_stats_grads(x, w, labels, lse, cotangent, spec, self.plan(x.shape[0], *w.shape, spec))
+        return backward.row_stats_grads(x, w, labels, stats.lse, cotangent, spec, self.plan(x.shape[0], *w.shape, spec))
 
     def row_stats_and_grads(
         self,

@@ -1,0 +1,108 @@
+"""What every entry point does before the backend runs: place inputs, choose a backend, make labels safe.
+
+The loss (:mod:`ce_core.loss`) and the log-probabilities (:mod:`ce_core.log_probs`) are both built
+from row statistics of the same logits; this module turns validated arguments into a
+:class:`PreparedCall` holding everything those statistics need.
+
+Temperature is applied here, not in the backends: ``cap_c(z) / T == cap_{c/T}(z / T)`` and
+``z / T = (x / T) @ w``, so scaling ``x`` by ``1/T`` and the soft cap by ``1/T`` gives exactly the
+tempered logits ``cap(x . w) / T``, on every backend, for the cost of one ``[N, H]`` product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ce_core import ops, validation
+from ce_core.backend import Backend, Problem, RowStats, StatsSpec
+from ce_core.block_sizes import BlockSizes
+from ce_core.placement import Placement, place
+from ce_core.registry import select_backend
+from ce_core.varying import align_varying
+from ce_core.vocab_parallel import vocab_shards
+
+
+@dataclasses.dataclass
+class PreparedCall:
+    """Inputs laid out for ``placement``, the chosen backend, and the per-token bookkeeping.
+
+    ``labels`` are safe to hand to a backend (ignored and out-of-vocab tokens map to 0);
+    ``counted`` marks tokens whose label is not ``ignore_index``; ``nan_if_bad`` is NaN at counted
+    tokens whose label lies outside ``[0, V)`` (under ``jit`` they cannot raise) and 0 elsewhere.
+    """
+
+    x: jax.Array
+    w: jax.Array
+    labels: jax.Array
+    counted: jax.Array
+    nan_if_bad: jax.Array
+    weights: jax.Array | None
+    backend: Backend
+    spec: StatsSpec
+    placement: Placement
+    vocab: int
+
+    def row_stats(self) -> RowStats:
+        """Statistics over the whole vocabulary, shaped like the labels; differentiable in x and w."""
+        if self.labels.size == 0:  # nothing to stream over; every backend would need a special case
+            empty = jnp.zeros(self.labels.shape, jnp.float32)
+            return RowStats(empty, empty, empty if self.spec.with_sum else None,
+                            empty if self.spec.with_expected else None)
+        return ops.row_stats(self.backend, self.spec, self.placement, self.x, self.w, self.labels)
+
+
+def prepare(
+    x: jax.Array,
+    labels: jax.Array,
+    w: jax.Array,
+    placement: Placement,
+    *,
+    weights: jax.Array | None,
+    ignore_index: int,
+    logit_soft_cap: float | None,
+    temperature: float,
+    with_sum: bool,
+    with_expected: bool,
+    implementation: str | Sequence[str] | None,
+    block_sizes: BlockSizes | None,
+) -> PreparedCall:
+    """A :class:`PreparedCall` from validated arguments."""
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be None or a ce_core.BlockSizes, got {block_sizes!r}")
+    hidden, local_vocab = w.shape
+    if placement.kind == "local" and placement.vocab_axes:
+        vocab = local_vocab * vocab_shards(placement.vocab_axes)
+    else:
+        vocab = local_vocab
+        validation.check_concrete_labels(labels, vocab, ignore_index)
+    if placement.kind == "shard_map":
+        x = place(x, placement.mesh, placement.spec("x"))
+        labels = place(labels, placement.mesh, placement.spec("tokens"))
+        w = place(w, placement.mesh, placement.spec("w"))
+        weights = None if weights is None else place(weights, placement.mesh, placement.spec("tokens"))
+    if temperature != 1.0:
+        x = x * jnp.asarray(1.0 / temperature, x.dtype)
+        logit_soft_cap = None if logit_soft_cap is None else logit_soft_cap / temperature
+
+    spec = StatsSpec(
+        logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+        with_sum=with_sum,
+        block_sizes=block_sizes,
+        with_expected=with_expected,
+    )
+    problem = Problem(labels.size // placement.token_shards(), hidden, local_vocab // placement.vocab_shards(),
+                      x.dtype, w.dtype, spec, placement.kind)
+    backend = select_backend(implementation, problem)
+
+    y = labels.astype(jnp.int32)
+    counted = y != ignore_index
+    in_vocab = (y >= 0) & (y < vocab)
+    nan_if_bad = jnp.where(counted & ~in_vocab, jnp.nan, 0.0).astype(jnp.float32)
+    safe_y = jnp.where(counted & in_vocab, y, 0)
+    if placement.typed:  # inside the caller's shard_map: see ce_core.varying.align_varying
+        x, w, safe_y = align_varying(x, w, safe_y)
+    return PreparedCall(x, w, safe_y, counted, nan_if_bad, weights, backend, spec, placement, vocab)
