@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ce_core import linear_cross_entropy
-from ce_core.testing import random_problem
+from ce_core.testing import Case, compare_with_oracle, random_problem
 
-from parity import Case, compare_with_oracle
 
 FEATURE_CASES = [
     Case(reduction, weights, zloss, cap, smoothing)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ce_core.testing import random_problem
-from parity import Case, compare_with_oracle
+from ce_core.testing import Case, compare_with_oracle, random_problem
 
 cases = st.builds(
     Case,

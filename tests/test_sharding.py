@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ce_core import linear_cross_entropy, sharded_linear_cross_entropy
-from ce_core.testing import max_rel_error, oracle, random_problem
+from ce_core.testing import Case, compare_with_oracle, max_rel_error, oracle, random_problem
 
-from parity import Case, compare_with_oracle
 
 MESH_SHAPES = [(8, 1), (2, 4), (1, 8)]
 SHARDED_CASES = [

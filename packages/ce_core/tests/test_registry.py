@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import warnings
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -153,11 +155,24 @@ def test_default_chains_per_platform():
     assert ce_core.default_chain() == ce_core.default_chain(jax.default_backend())
 
 
-def test_default_chain_is_used_when_implementation_is_none(temporary_backends, monkeypatch):
-    counting = temporary_backends(Counting("counting"))
-    monkeypatch.setitem(registry.DEFAULT_CHAINS, jax.default_backend(), ("not-installed", "counting"))
+def test_default_chain_is_used_when_implementation_is_none(temporary_backends):
+    class Preferred(Counting):
+        default_priority = MappingProxyType({jax.default_backend(): 1000})
+
+    class Elsewhere(Counting):
+        default_priority = MappingProxyType({"not-this-platform": 2000})
+
+    preferred = temporary_backends(Preferred("preferred"))
+    temporary_backends(Elsewhere("elsewhere"))
+    assert ce_core.default_chain()[0] == "preferred" and "elsewhere" not in ce_core.default_chain()
     linear_cross_entropy(X, LABELS, W)
-    assert counting.calls == 1
+    assert preferred.calls == 1
+
+
+def test_ce_core_names_no_backend():
+    """Backends declare where they are the default; the registry holds no list of names."""
+    source = inspect.getsource(registry)
+    assert not any(f'"{name}"' in source for name in ("xla", "reference", "pallas_tpu"))
 
 
 def test_register_backend_refuses_duplicates_and_non_backends(temporary_backends):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import ce_core
 from ce_core import BlockSizes, linear_cross_entropy
 from ce_core.testing import random_problem
 
@@ -93,3 +94,13 @@ def test_accepts_python_lists_and_int64_labels():
                                 implementation="reference")
     expected = np.log(1 + np.e) - 1  # each row: logits (1, 0), label logit 1
     np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
+
+
+def test_int64_labels_that_int32_cannot_hold_are_refused_not_wrapped():
+    x, _, w = random_problem(20, (3,), 8, 16)
+    labels = np.array([1, 2**32 + 3, 2], np.int64)
+    for fn in (linear_cross_entropy, ce_core.linear_log_probs):
+        with pytest.raises(ValueError, match=r"labels\[1\] = 4294967299 does not fit in int32"):
+            fn(x, labels, w)
+    # int64 values that fit are fine
+    assert np.isfinite(float(linear_cross_entropy(x, np.array([1, 3, 2], np.int64), w)))

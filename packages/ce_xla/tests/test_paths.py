@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy
 from ce_core.registry import register_backend, unregister_backend
-from ce_core.testing import max_rel_error, random_problem
+from ce_core.testing import Case, compare_with_oracle, max_rel_error, random_problem
 from ce_xla import XlaBackend
 
-from parity import Case, compare_with_oracle
 
 # (name, backend, block sizes); N = 50 tokens, V = 1000 or 3001 in the tests below.
 MODES = {

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,9 @@ class Backend(abc.ABC):
 
     name: str = ""
     contract_version: int | None = None
+    #: Platforms (``jax.default_backend()`` names, or ``"*"`` for any) on which this backend joins the
+    #: default chain of ``implementation=None``, with its priority there: higher is tried first.
+    default_priority: ClassVar[Mapping[str, int]] = MappingProxyType({})
 
     def is_available(self) -> bool:
         """Whether this backend can run on the current platform at all."""

@@ -64,7 +64,7 @@ def linear_log_probs(
       UnsupportedError: the named backend cannot run this call.
     """
     x = validation.as_array(x, "x")
-    labels = validation.as_array(labels, "labels")
+    labels = validation.as_labels(labels)
     w = validation.as_array(w, "w")
     validation.check_arrays(x, labels, w, None)
     validation.check_ignore_index(ignore_index)

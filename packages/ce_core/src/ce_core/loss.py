@@ -97,7 +97,7 @@ def linear_cross_entropy(
       UnsupportedError: the named backend cannot run this call.
     """
     x = validation.as_array(x, "x")
-    labels = validation.as_array(labels, "labels")
+    labels = validation.as_labels(labels)
     w = validation.as_array(w, "w")
     weights = None if weights is None else validation.as_array(weights, "weights")
     validation.check_arrays(x, labels, w, weights)

@@ -19,13 +19,6 @@ from ce_core.errors import FallbackWarning, UnsupportedError
 
 ENTRY_POINT_GROUP = "ce_core.backends"
 
-#: Tried in order when ``implementation=None``; names that are not installed are skipped.
-DEFAULT_CHAINS: dict[str, tuple[str, ...]] = {
-    "tpu": ("pallas_tpu", "xla", "reference"),
-    "gpu": ("xla", "reference"),
-    "cpu": ("xla", "reference"),
-}
-
 BackendFactory = Callable[[], Backend]
 
 _lock = threading.Lock()
@@ -109,9 +102,23 @@ def available_backends() -> tuple[str, ...]:
 
 
 def default_chain(platform: str | None = None) -> tuple[str, ...]:
-    """The backends tried, in order, when ``implementation=None`` on ``platform``."""
+    """The backends tried, in order, when ``implementation=None`` on ``platform`` (default: JAX's).
+
+    Each backend declares the platforms it is a default for, with a priority
+    (:attr:`Backend.default_priority`); the chain lists those that declare ``platform`` (or ``"*"``),
+    highest priority first. Loads every installed backend (a broken install is left out).
+    """
     platform = platform or jax.default_backend()
-    return DEFAULT_CHAINS.get(platform, ("xla", "reference"))
+    ranked = []
+    for name in installed_backends():
+        try:
+            priorities = get_backend(name).default_priority
+        except Exception:  # noqa: BLE001 - a broken install is not a default; get_backend(name) says why
+            continue
+        priority = priorities.get(platform, priorities.get("*"))
+        if priority is not None:
+            ranked.append((-priority, name))
+    return tuple(name for _, name in sorted(ranked))
 
 
 def select_backend(implementation: str | Sequence[str] | None, problem: Problem) -> Backend:
@@ -126,7 +133,10 @@ def select_backend(implementation: str | Sequence[str] | None, problem: Problem)
         _ensure_runs(backend, problem)
         return backend
     if implementation is None:
-        chain = [name for name in default_chain() if name in installed_backends()]
+        chain = list(default_chain())
+        if not chain:
+            raise ValueError(f"no installed backend is a default on platform {jax.default_backend()!r}; "
+                             f"installed: {list(installed_backends())}; name one with implementation=")
     else:
         chain = list(implementation)
         if not chain or not all(isinstance(name, str) for name in chain):

@@ -21,6 +21,29 @@ def as_array(value: object, name: str) -> jax.Array:
         raise ValueError(f"{name} must be an array, got {type(value).__name__}: {error}") from None
 
 
+def as_labels(value: object) -> jax.Array:
+    """``labels`` as an array; concrete values that the int32 JAX would convert them to cannot hold are an error.
+
+    With 64-bit mode off (JAX's default), ``jnp.asarray`` wraps an int64 label such as ``2**32 + 3``
+    to 3: a silently wrong token. Such values are refused here instead.
+    """
+    if not isinstance(value, jax.Array) and not jax.config.read("jax_enable_x64"):
+        try:
+            values = np.asarray(value)
+        except (TypeError, ValueError):
+            values = None
+        if values is not None and values.dtype.kind in "iu" and values.size:
+            info = np.iinfo(np.int32)
+            outside = (values < info.min) | (values > info.max)
+            if outside.any():
+                position = np.unravel_index(int(np.argmax(outside)), values.shape)
+                raise ValueError(
+                    f"labels{list(map(int, position))} = {int(values[position])} does not fit in int32, which JAX "
+                    "uses for labels while 64-bit mode is off; it would be wrapped silently"
+                )
+    return as_array(value, "labels")
+
+
 def check_arrays(x: jax.Array, labels: jax.Array, w: jax.Array, weights: jax.Array | None) -> None:
     """Ranks, matching shapes and dtypes of the array arguments."""
     if not jnp.issubdtype(x.dtype, jnp.floating):

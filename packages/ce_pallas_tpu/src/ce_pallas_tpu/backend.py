@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import jax
 import jax.numpy as jnp
 from ce_core import Backend, Problem, RowStats, StatsSpec, UnsupportedError
@@ -17,6 +19,8 @@ class PallasTpuBackend(Backend):
 
     name = "pallas_tpu"
     contract_version = 1
+    #: First on TPU.
+    default_priority = MappingProxyType({"tpu": 20})
 
     def is_available(self) -> bool:
         """A TPU default device, ``CE_PALLAS_TPU_INTERPRET=1`` or ``CE_PALLAS_TPU_TARGET`` (read now)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import jax
 import jax.numpy as jnp
 from ce_core import Backend, RowStats, StatsSpec
@@ -27,6 +29,8 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     contract_version = 2
+    #: The last resort everywhere: it materialises the logits.
+    default_priority = MappingProxyType({"*": 0})
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
         return row_stats(x, w, labels, spec)

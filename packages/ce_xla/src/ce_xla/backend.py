@@ -8,6 +8,8 @@ lse (O(N) beyond the inputs); its backward pass recomputes the logits chunk by c
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import functools
 from typing import Any
 
@@ -28,6 +30,8 @@ class XlaBackend(Backend):
 
     name = "xla"
     contract_version = 1
+    #: The default wherever XLA runs, after a platform's own kernels.
+    default_priority = MappingProxyType({"*": 10})
 
     def __init__(self, budget_bytes: int = LOGITS_BUDGET_BYTES, grad_budget_bytes: int | None = None) -> None:
         for name, value in (("budget_bytes", budget_bytes), ("grad_budget_bytes", grad_budget_bytes)):

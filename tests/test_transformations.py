@@ -1,0 +1,73 @@
+"""What JAX transformations do with the loss: each claim of the README's table, checked.
+
+The reference for second derivatives is plain JAX on materialised float32 logits (autodiff
+through ``jax.nn.log_softmax``), independent of ce_core's custom VJPs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ce_core import linear_cross_entropy
+from ce_core.testing import max_rel_error, random_problem
+
+X, LABELS, W = random_problem(0, (16,), 8, 32, ignore_fraction=0.0)
+#: Backends whose every step is differentiable JAX: second derivatives go through them. (The Pallas
+#: kernels have no derivatives of their own; pallas_tpu is first-order only, see the README.)
+SECOND_ORDER = pytest.mark.parametrize("backend", ["reference", "xla"])
+
+
+def plain_jax_loss(x, w, reduction):
+    log_p = jax.nn.log_softmax(x @ w, axis=-1)
+    losses = -jnp.take_along_axis(log_p, LABELS[:, None], axis=-1)[:, 0]
+    return jnp.mean(losses) if reduction == "mean" else jnp.sum(losses)
+
+
+def ours(backend, reduction):
+    return lambda x, w: jnp.sum(linear_cross_entropy(x, LABELS, w, reduction=reduction, implementation=backend))
+
+
+@SECOND_ORDER
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_grad_of_grad_matches_plain_jax(backend, reduction):
+    def second(loss):
+        return jax.grad(lambda x: jnp.sum(jax.grad(loss, argnums=1)(x, W) ** 2))(X)
+
+    expected = second(lambda x, w: plain_jax_loss(x, w, "mean" if reduction == "mean" else "sum"))
+    assert max_rel_error(second(ours(backend, reduction)), expected) < 1e-4
+
+
+@SECOND_ORDER
+def test_hessian_vector_product_of_the_mean_loss(backend):
+    direction = np.random.default_rng(1).standard_normal(X.shape).astype(np.float32)
+
+    def hvp(loss):
+        return jax.jvp(lambda x: jax.grad(loss)(x, W), (X,), (direction,))[1]
+
+    expected = hvp(lambda x, w: plain_jax_loss(x, w, "mean"))
+    assert max_rel_error(hvp(ours(backend, "mean")), expected) < 1e-4
+
+
+def test_vmap_matches_a_python_loop(backend_name):
+    xs, labels, w = random_problem(2, (3, 10), 8, 32)
+    per_example = jax.vmap(jax.value_and_grad(
+        lambda x, y: linear_cross_entropy(x, y, w, implementation=backend_name)))(xs, labels)
+    for k in range(3):
+        value, grad = jax.value_and_grad(lambda x: linear_cross_entropy(x, labels[k], w, implementation=backend_name))(xs[k])
+        assert max_rel_error(per_example[0][k], value) < 1e-6 and max_rel_error(per_example[1][k], grad) < 1e-6
+
+
+def test_checkpoint_and_donation(backend_name):
+    loss = ours(backend_name, "mean")
+    expected = jax.grad(loss)(X, W)
+    assert max_rel_error(jax.jit(jax.grad(jax.checkpoint(loss)))(X, W), expected) < 1e-6
+    donated = jax.jit(jax.grad(loss), donate_argnums=0)(jnp.array(X), W)
+    assert max_rel_error(donated, expected) < 1e-6
+
+
+def test_forward_mode_is_not_supported_and_says_so(backend_name):
+    """Documented in the README: the loss is a custom VJP, so jvp/linearize/jacfwd of it raise."""
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+        jax.jvp(lambda x: ours(backend_name, "mean")(x, W), (X,), (jnp.ones_like(X),))
