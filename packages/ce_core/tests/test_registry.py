@@ -149,9 +149,14 @@ def test_unavailable_backend_is_unsupported(temporary_backends):
 
 
 def test_default_chains_per_platform():
-    assert ce_core.default_chain("tpu") == ("pallas_tpu", "xla", "reference")
-    assert ce_core.default_chain("gpu") == ("xla", "reference")
-    assert ce_core.default_chain("cpu") == ("xla", "reference")
+    installed = ce_core.installed_backends()
+
+    def chain(*names):
+        return tuple(name for name in names if name in installed)
+
+    assert ce_core.default_chain("tpu") == chain("pallas_tpu", "xla", "reference")
+    assert ce_core.default_chain("gpu") == chain("xla", "reference")
+    assert ce_core.default_chain("cpu") == chain("xla", "reference")
     assert ce_core.default_chain() == ce_core.default_chain(jax.default_backend())
 
 
