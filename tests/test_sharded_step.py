@@ -276,9 +276,9 @@ AOT_N, AOT_H, AOT_V = 32768, 4096, 128256
 
 @pytest.fixture(scope="module")
 def v5p_2x2x1():
-    from jax.experimental import topologies
+    from ce_pallas_tpu.aot import topology_devices
 
-    return topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
+    return topology_devices("v5p:2x2x1")
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])

@@ -129,11 +129,11 @@ def test_pallas_tpu_in_interpret_mode_on_a_data_by_vocab_mesh(monkeypatch):
 
 
 def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
-    from jax.experimental import topologies
+    from ce_pallas_tpu.aot import topology_devices
 
     monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)  # compile the real kernels, not the interpreter
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
-    devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
+    devices = topology_devices("v5p:2x2x1")
     mesh = Mesh(np.array(devices).reshape(2, 2), ("data", "vocab"))
     n, h, v = 8192, 4096, 128256
 

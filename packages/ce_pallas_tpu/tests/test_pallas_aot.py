@@ -74,3 +74,20 @@ def test_reference_does_not_fit_v5e_where_pallas_does():
     reference = aot.compile_loss_and_grads("v5e", n, h, v, implementation="reference", raise_errors=False)
     assert not reference.ok and "HBM" in reference.error
     assert aot.compile_loss_and_grads("v5e", n, h, v).ok
+
+
+def test_loading_a_topology_prints_no_libtpu_complaints_on_a_machine_without_tpu():
+    import os
+    import subprocess
+    import sys
+
+    from ce_pallas_tpu.aot import host_has_tpu
+
+    assert not host_has_tpu()  # this suite runs on machines without a TPU
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", "from ce_pallas_tpu.aot import topology_device; "
+                             "print(topology_device('v5e').device_kind)"],
+                            capture_output=True, text=True, env=env, timeout=300, check=True)
+    assert "v5" in result.stdout.lower()
+    assert "host bounds" not in result.stderr and "E0000" not in result.stderr, result.stderr

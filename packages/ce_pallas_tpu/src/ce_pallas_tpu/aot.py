@@ -16,6 +16,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import ce_core
@@ -36,14 +37,49 @@ TOPOLOGIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 _devices: dict[str, Any] = {}
 
+#: Google's PCI vendor id, which every TPU chip reports (as JAX's own hardware probe reads it).
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def host_has_tpu() -> bool:
+    """Whether a TPU chip is attached to this machine (a PCI device of Google's vendor id)."""
+    for vendor in Path("/sys/bus/pci/devices").glob("*/vendor"):
+        try:
+            if vendor.read_text().strip() == _GOOGLE_PCI_VENDOR:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def quiet_libtpu_without_tpu() -> None:
+    """Spare a machine with no TPU libtpu's start-up complaints about its (absent) TPU host.
+
+    Off a Cloud TPU VM nothing describes the local TPU host, and libtpu, loaded only to compile for
+    a deviceless topology, prints "Failed to find host bounds ..." and an ``E0000 ...
+    TPU_WORKER_HOSTNAMES`` error that look like failures. A one-host description silences them and
+    does not change what is compiled. Variables already set are kept, and a machine with a TPU is
+    left alone, so real start-up errors there still show. Call before libtpu first loads.
+    """
+    if host_has_tpu():
+        return
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+
+def topology_devices(name: str, **options: Any) -> list[Any]:
+    """The devices of a deviceless TPU topology such as ``"v5p:2x2x1"`` (compile only, no TPU needed)."""
+    from jax.experimental import topologies
+
+    quiet_libtpu_without_tpu()
+    return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices)
+
 
 def topology_device(generation: str) -> Any:
     """The device of a one-chip deviceless topology of ``generation`` (cached)."""
     if generation not in _devices:
-        from jax.experimental import topologies
-
         name, options = TOPOLOGIES[generation]
-        _devices[generation] = topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices[0]
+        _devices[generation] = topology_devices(name, **options)[0]
     return _devices[generation]
 
 
