@@ -8,7 +8,6 @@ from ce_core.block_sizes import BlockSizes
 from ce_core.errors import FallbackWarning, UnsupportedError
 from ce_core.log_probs import linear_log_probs
 from ce_core.loss import linear_cross_entropy
-from ce_core.sharding import sharded_linear_cross_entropy
 from ce_core.registry import (
     available_backends,
     default_chain,
@@ -17,6 +16,7 @@ from ce_core.registry import (
     register_backend,
     unregister_backend,
 )
+from ce_core.sharding import sharded_linear_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -33,10 +33,10 @@ __all__ = [
     "available_backends",
     "default_chain",
     "get_backend",
-    "localize_cotangent",
     "installed_backends",
     "linear_cross_entropy",
     "linear_log_probs",
+    "localize_cotangent",
     "register_backend",
     "sharded_linear_cross_entropy",
     "unregister_backend",

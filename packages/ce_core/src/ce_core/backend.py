@@ -118,6 +118,7 @@ class Backend(abc.ABC):
 
     def check(self, problem: Problem) -> None:
         """Raise :class:`~ce_core.UnsupportedError` (with the reason) if this call cannot run."""
+        del problem  # the base class accepts every problem
 
     def block_sizes_for(self, problem: Problem) -> object | None:
         """The tile or chunk sizes this backend would use for ``problem``, for reports; ``None`` if it has none."""
@@ -184,6 +185,8 @@ def localize_cotangent(cotangent: RowStats, local: RowStats, whole: RowStats) ->
     g_lse = cotangent.lse
     g_expected = None
     if cotangent.expected is not None:
+        if local.expected is None or whole.expected is None:
+            raise ValueError("a cotangent of the expected logit needs the expected logit of the slice and the rows")
         g_lse = g_lse + cotangent.expected * (local.expected - whole.expected)
         g_expected = share * cotangent.expected
     return cotangent._replace(lse=share * g_lse, expected=g_expected)

@@ -38,6 +38,8 @@ def token_losses(stats: RowStats, config: LossConfig) -> jax.Array:
     eps, lam = config.label_smoothing, config.logsumexp_weight
     loss = stats.lse - stats.label
     if eps:
+        if stats.sum is None:
+            raise ValueError("label smoothing needs the logit sum; compute the statistics with with_sum=True")
         loss = (1.0 - eps) * loss + eps * (stats.lse - stats.sum / config.vocab_size)
     if lam:
         loss = loss + lam * jnp.square(stats.lse)
@@ -104,12 +106,13 @@ def linear_cross_entropy(
     validation.check_options(reduction, ignore_index, logsumexp_weight, logit_soft_cap, label_smoothing)
     validation.check_temperature(temperature)
     validation.check_vocab_axis_name(vocab_axis_name)
-    return loss_with_placement(
+    loss, lse = loss_with_placement(
         x, labels, w, find_placement(x, labels, w, vocab_axis_name),
         reduction=reduction, weights=weights, ignore_index=ignore_index, logsumexp_weight=logsumexp_weight,
         logit_soft_cap=logit_soft_cap, label_smoothing=label_smoothing, temperature=temperature,
         return_lse=return_lse, implementation=implementation, block_sizes=block_sizes,
     )
+    return loss if lse is None else (loss, lse)
 
 
 def loss_with_placement(
@@ -128,8 +131,11 @@ def loss_with_placement(
     return_lse: bool,
     implementation: str | Sequence[str] | None,
     block_sizes: BlockSizes | None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """:func:`linear_cross_entropy` on validated arrays, run as ``placement`` says."""
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(loss, lse)`` of :func:`linear_cross_entropy` on validated arrays, run as ``placement`` says.
+
+    ``lse`` is ``None`` unless ``return_lse``.
+    """
     call = prepare(x, labels, w, placement, weights=weights, ignore_index=ignore_index,
                    logit_soft_cap=logit_soft_cap, temperature=temperature, with_sum=label_smoothing > 0,
                    with_expected=False, implementation=implementation, block_sizes=block_sizes)
@@ -147,12 +153,12 @@ def loss_with_placement(
             loss = jnp.sum(per_token)
         else:
             loss = jnp.sum(per_token) / _safe_total(token_weights)
-        return (loss, stats.lse) if return_lse else loss
+        return loss, (stats.lse if return_lse else None)
 
     if reduction == "mean":
         token_weights = token_weights / _safe_total(token_weights)
     reduced = _reduced_loss_fn(call.backend, call.spec, config, call.placement)
-    return reduced(call.x, call.w, call.labels, token_weights) + jnp.sum(call.nan_if_bad)
+    return reduced(call.x, call.w, call.labels, token_weights) + jnp.sum(call.nan_if_bad), None
 
 
 def _safe_total(token_weights: jax.Array) -> jax.Array:

@@ -66,6 +66,14 @@ class Placement:
         """How many ways V is split under ``"shard_map"`` (1 otherwise; the caller's axis for ``"local"``)."""
         return _axes_size(self.mesh, self.vocab_axes) if self.kind == "shard_map" and self.mesh is not None else 1
 
+    def lay_out(self, value: jax.Array, kind: str) -> jax.Array:
+        """``value`` (an array of ``kind``) laid out as this placement runs it: resharded for ``"shard_map"``."""
+        if self.kind != "shard_map":
+            return value
+        if self.mesh is None:
+            raise ValueError("a shard_map placement needs a mesh")
+        return place(value, self.mesh, self.spec(kind))
+
     def spec(self, kind: str) -> PartitionSpec:
         """The ``shard_map`` spec of an array of ``kind`` (``"x"``, ``"w"`` or ``"tokens"``)."""
         vocab: SpecEntry = _entry(self.vocab_axes)
@@ -167,11 +175,10 @@ def place(value: jax.Array, mesh: AnyMesh, spec: PartitionSpec) -> jax.Array:
     """
     ndim = value.ndim
     current = getattr(jax.typeof(value), "sharding", None)
-    current_mesh = getattr(current, "mesh", None)
-    if (current_mesh is not None and not current_mesh.empty
-            and spec_entries(current.spec, ndim) == spec_entries(spec, ndim)
-            and tuple(current_mesh.axis_names) == tuple(mesh.axis_names)):
-        return value
+    if isinstance(current, NamedSharding) and not current.mesh.empty:
+        same_axes = tuple(current.mesh.axis_names) == tuple(mesh.axis_names)
+        if same_axes and spec_entries(current.spec, ndim) == spec_entries(spec, ndim):
+            return value
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         context = jax.sharding.get_abstract_mesh()
         target: Any = spec if not context.empty else NamedSharding(mesh, spec)

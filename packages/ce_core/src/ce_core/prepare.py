@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from ce_core import ops, validation
 from ce_core.backend import Backend, Problem, RowStats, StatsSpec
 from ce_core.block_sizes import BlockSizes
-from ce_core.placement import Placement, place
+from ce_core.placement import Placement
 from ce_core.registry import select_backend
 from ce_core.varying import align_varying
 from ce_core.vocab_parallel import vocab_shards
@@ -79,11 +79,8 @@ def prepare(
     else:
         vocab = local_vocab
         validation.check_concrete_labels(labels, vocab, ignore_index)
-    if placement.kind == "shard_map":
-        x = place(x, placement.mesh, placement.spec("x"))
-        labels = place(labels, placement.mesh, placement.spec("tokens"))
-        w = place(w, placement.mesh, placement.spec("w"))
-        weights = None if weights is None else place(weights, placement.mesh, placement.spec("tokens"))
+    x, labels, w = placement.lay_out(x, "x"), placement.lay_out(labels, "tokens"), placement.lay_out(w, "w")
+    weights = None if weights is None else placement.lay_out(weights, "tokens")
     if temperature != 1.0:
         x = x * jnp.asarray(1.0 / temperature, x.dtype)
         logit_soft_cap = None if logit_soft_cap is None else logit_soft_cap / temperature

@@ -96,7 +96,7 @@ def available_backends() -> tuple[str, ...]:
         try:
             if get_backend(name).is_available():
                 names.append(name)
-        except Exception:  # noqa: BLE001 - a broken install is not available; get_backend(name) says why
+        except Exception:
             continue
     return tuple(names)
 
@@ -113,7 +113,7 @@ def default_chain(platform: str | None = None) -> tuple[str, ...]:
     for name in installed_backends():
         try:
             priorities = get_backend(name).default_priority
-        except Exception:  # noqa: BLE001 - a broken install is not a default; get_backend(name) says why
+        except Exception:
             continue
         priority = priorities.get(platform, priorities.get("*"))
         if priority is not None:
@@ -140,7 +140,8 @@ def select_backend(implementation: str | Sequence[str] | None, problem: Problem)
     else:
         chain = list(implementation)
         if not chain or not all(isinstance(name, str) for name in chain):
-            raise ValueError(f"implementation must be None, a backend name or a non-empty sequence of names, got {implementation!r}")
+            raise ValueError("implementation must be None, a backend name or a non-empty sequence of names, "
+                             f"got {implementation!r}")
     installed = installed_backends()
     errors: list[UnsupportedError] = []
     for position, name in enumerate(chain):

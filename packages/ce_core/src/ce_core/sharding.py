@@ -79,9 +79,8 @@ def sharded_linear_cross_entropy(
     token_entry = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
     placement = Placement("shard_map", mesh=_mesh_for(mesh, x, w), token_spec=(token_entry,),
                           vocab_axes=(vocab_axis,) if vocab_axis is not None else ())
-    out = loss_with_placement(x2d, y, w, placement, reduction=reduction, weights=flat_weights,
-                              ignore_index=ignore_index, return_lse=return_lse, **options)
-    loss, lse = out if return_lse else (out, None)
+    loss, lse = loss_with_placement(x2d, y, w, placement, reduction=reduction, weights=flat_weights,
+                                    ignore_index=ignore_index, return_lse=return_lse, **options)
     if reduction == "none":
         loss = loss[:n_tokens].reshape(labels.shape)
     if lse is None:

@@ -55,7 +55,7 @@ def check_arrays(x: jax.Array, labels: jax.Array, w: jax.Array, weights: jax.Arr
     if w.ndim != 2:
         raise ValueError(f"w must have shape [H, V], got shape {w.shape}")
     if x.ndim < 1:
-        raise ValueError(f"x must have shape [..., H], got a scalar")
+        raise ValueError("x must have shape [..., H], got a scalar")
     if x.shape[-1] != w.shape[0]:
         raise ValueError(
             f"hidden sizes differ: x has shape {x.shape} (H={x.shape[-1]}) but w has shape {w.shape} (H={w.shape[0]})"
@@ -127,9 +127,10 @@ def check_concrete_labels(labels: jax.Array, vocab_size: int, ignore_index: int)
 
     Traced labels cannot be inspected; there such a token's loss is NaN instead (see the loss).
     """
-    if isinstance(labels, jax.core.Tracer):
+    try:
+        values = np.asarray(labels)
+    except jax.errors.TracerArrayConversionError:
         return
-    values = np.asarray(labels)
     bad = (values != ignore_index) & ((values < 0) | (values >= vocab_size))
     if bad.any():
         position = np.unravel_index(int(np.argmax(bad)), values.shape)

@@ -8,11 +8,9 @@ primal. Outside ``shard_map`` nothing varies and these helpers return their argu
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
-
-Tree = TypeVar("Tree")
 
 
 def varying_axes(value: Any) -> frozenset[str]:
@@ -30,7 +28,7 @@ def vary(value: jax.Array, axes: frozenset[str]) -> jax.Array:
     return jax.lax.pcast(value, missing, to="varying") if missing else value
 
 
-def vary_like(tree: Tree, *refs: Any) -> Tree:
+def vary_like[Tree](tree: Tree, *refs: Any) -> Tree:
     """``tree``'s arrays made to vary over every axis that any array in ``refs`` varies over.
 
     For values made inside a shard (zeros of a loop carry, a cotangent) that must meet values

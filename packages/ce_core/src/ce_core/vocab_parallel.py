@@ -26,7 +26,7 @@ def vocab_shards(axes: tuple[str, ...]) -> int:
         return math.prod(int(jax.lax.axis_size(axis)) for axis in axes)
     except NameError as error:
         raise ValueError(
-            f"vocab_axis_name={axes if len(axes) > 1 else axes[0]!r} is not a mesh axis bound here; call "
+            f"vocab_axis_name={', '.join(map(repr, axes))} is not a mesh axis bound here; call "
             f"linear_cross_entropy inside a shard_map over a mesh with that axis ({error})"
         ) from None
 

@@ -6,6 +6,7 @@ from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
+
 from ce_core import Backend, RowStats, StatsSpec
 
 
