@@ -7,8 +7,8 @@ The chunk rule is documented in :mod:`ce_xla.chunking`.
 """
 
 from ce_xla.backend import XlaBackend, make_backend
-from ce_xla.chunking import LOGITS_BUDGET_BYTES, ChunkPlan, plan_chunks
+from ce_xla.chunking import LOGITS_BUDGET_BYTES, ChunkPlan, gradient_order, plan_chunks
 
 __version__ = "0.1.0"
 
-__all__ = ["LOGITS_BUDGET_BYTES", "ChunkPlan", "XlaBackend", "make_backend", "plan_chunks"]
+__all__ = ["LOGITS_BUDGET_BYTES", "ChunkPlan", "XlaBackend", "gradient_order", "make_backend", "plan_chunks"]
