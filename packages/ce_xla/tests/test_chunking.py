@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from ce_core import BlockSizes, StatsSpec, linear_cross_entropy
 from ce_xla import LOGITS_BUDGET_BYTES, XlaBackend, gradient_order, plan_chunks
-from ce_xla.chunking import MIN_GRAD_CHUNK
+from ce_xla.chunking import MIN_GRAD_CHUNK, MIN_GRAD_TOKEN_CHUNK
 
 
 def test_default_rule_full_rows_within_the_budget():
@@ -76,6 +76,8 @@ def test_bad_budgets_are_value_errors():
     (jnp.float32, jnp.float32, 8192, 128256, "tokens_outer"),  # dw accumulator is the f32 gradient
     (jnp.bfloat16, jnp.bfloat16, 8192, 128256, "vocab_outer"),  # 4HV (2 GiB) > 4NH (128 MiB)
     (jnp.bfloat16, jnp.bfloat16, 65536, 32000, "tokens_outer"),  # V <= N: 4HV <= 4NH, and 6NHV
+    (jnp.bfloat16, jnp.bfloat16, 256, 4352, "tokens_outer"),  # 4HV = 68 MiB = 4NH + 64 MiB: the allowance
+    (jnp.bfloat16, jnp.bfloat16, 256, 4480, "vocab_outer"),  # 2 MiB beyond it
     (jnp.float16, jnp.float16, 8192, 128256, "vocab_outer"),
     (jnp.float32, jnp.bfloat16, 8192, 128256, "vocab_outer"),  # dx accumulator is the f32 gradient
     (jnp.bfloat16, jnp.float32, 8192, 128256, "tokens_outer"),
@@ -110,6 +112,15 @@ def test_vocab_outer_tiles_on_cpu():
     plan = plan_chunks(8192, 4096, 128256, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16)
     assert (plan.token_chunk, plan.vocab_chunk) == (128, 128256)  # the full-row statistics rule
     assert (plan.grad_token_chunk, plan.grad_chunk) == (1024, 512)
+    narrow = plan_chunks(4096, 1024, 32768, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16)
+    assert narrow.gradient_order == "vocab_outer" and (narrow.grad_token_chunk, narrow.grad_chunk) == (256, 2048)
+    assert narrow.grad_token_chunk == MIN_GRAD_TOKEN_CHUNK  # 2 MiB / (4 x 2048) = 64 rows, raised
+
+
+def test_fused_path_kept_for_a_small_bf16_w():
+    """4HV = 64 MiB: the fused path measured 0.68x the reference's CPU time, vocab outer 0.85x."""
+    plan = plan_chunks(4096, 512, 32768, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16)
+    assert plan.gradient_order == "tokens_outer" and plan.fused
 
 
 def test_explicit_sizes_set_both_tiles_vocab_outer():
@@ -117,7 +128,6 @@ def test_explicit_sizes_set_both_tiles_vocab_outer():
     plan = plan_chunks(100, 64, 3001, sizes, order="vocab_outer")
     assert (plan.token_chunk, plan.vocab_chunk, plan.grad_token_chunk, plan.grad_chunk) == (24, 700, 24, 700)
     assert plan.grad_token_chunks == 5 and plan.grad_chunks == 5
-    assert plan_chunks(100, 64, 3001, sizes, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16) == plan
 
 
 def test_forced_order_and_bad_orders():

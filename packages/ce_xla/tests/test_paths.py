@@ -216,9 +216,17 @@ def count_dots(jaxpr) -> int:
     return total
 
 
+@pytest.fixture
+def no_fused_allowance(monkeypatch):
+    """The order rule without its 64 MiB allowance, so that small bf16 problems take vocab outer."""
+    import ce_xla.chunking
+
+    monkeypatch.setattr(ce_xla.chunking, "FUSED_ALLOWANCE_BYTES", 0)
+
+
 @pytest.mark.parametrize("reduction,dtype,dots", [("mean", "float32", 3), ("none", "float32", 4),
                                                   ("mean", "bfloat16", 4), ("none", "bfloat16", 4)])
-def test_fused_path_does_three_matmul_passes_the_others_four(reduction, dtype, dots):
+def test_fused_path_does_three_matmul_passes_the_others_four(no_fused_allowance, reduction, dtype, dots):
     """Full-row mode: logits, dx and dw products once per chunk (6NHV); the VJP adds a recompute,
     and so does the vocab-outer order that bf16 takes (statistics first, then 8NHV in all)."""
     x, labels, w = random_problem(7, (64,), 16, 100)
@@ -231,7 +239,8 @@ def test_fused_path_does_three_matmul_passes_the_others_four(reduction, dtype, d
 @pytest.mark.parametrize("dtype,vocab,order", [("float32", 100, "tokens_outer"), ("bfloat16", 100, "vocab_outer"),
                                                ("bfloat16", 48, "tokens_outer")])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_every_entry_point_takes_the_planned_gradient_order(monkeypatch, dtype, vocab, order, reduction):
+def test_every_entry_point_takes_the_planned_gradient_order(monkeypatch, no_fused_allowance, dtype, vocab, order,
+                                                            reduction):
     """bf16 with V > N avoids the float32 [H, V] accumulator on the fused and the general path;
     with V <= N (here 48 <= 64) the dw accumulator is the smaller one, and tokens outer keeps it."""
     import ce_xla.vocab_outer as vocab_outer_module
