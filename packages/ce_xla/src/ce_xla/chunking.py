@@ -181,21 +181,15 @@ def plan_chunks(
             raise ValueError(f"{name} must be positive, got {value}")
     budgets = dataclasses.replace(budgets, **{k: val for k, val in overrides.items() if val is not None})
     n_, v_ = max(n, 1), max(v, 1)
-    token = None if block_sizes is None else block_sizes.b_block_size
-    vocab = None if block_sizes is None else block_sizes.v_block_size
+    rows = None if block_sizes is None else block_sizes.b_block_size
+    cols = None if block_sizes is None else block_sizes.v_block_size
 
-    token, vocab = _stats_tile(n_, h, v_, token, vocab, order, budgets)
+    token, vocab = _stats_tile(n_, h, v_, rows, cols, order, budgets)
     if order == "tokens_outer":
         grad = vocab if vocab < v_ else _slice_width(h, v_, budgets.grad_slice_bytes, whole_if_fits=True)
         return ChunkPlan(n, h, v, token, vocab, grad, token, order)
-    explicit_rows = None if block_sizes is None else block_sizes.b_block_size
-    explicit_cols = None if block_sizes is None else block_sizes.v_block_size
-    grad = min(explicit_cols, v_) if explicit_cols is not None else _slice_width(h, v_, budgets.dw_slice_bytes)
-    if explicit_rows is not None:
-        rows = explicit_rows
-    else:
-        rows = max(_align_down(budgets.grad_tile_bytes // _F32 // grad, TOKEN_ALIGN), MIN_GRAD_TOKEN_CHUNK)
-    return ChunkPlan(n, h, v, token, vocab, grad, min(rows, n_), order)
+    grad_rows, grad = _vocab_outer_tile(n_, h, v_, rows, cols, budgets)
+    return ChunkPlan(n, h, v, token, vocab, grad, grad_rows, order)
 
 
 def _stats_tile(n: int, h: int, v: int, token: int | None, vocab: int | None, order: GradientOrder,
@@ -217,6 +211,15 @@ def _stats_tile(n: int, h: int, v: int, token: int | None, vocab: int | None, or
     if token is None:
         token = _align_down(budget_cols // v, TOKEN_ALIGN) if vocab == v else tiled_rows
     return min(token, n), vocab
+
+
+def _vocab_outer_tile(n: int, h: int, v: int, rows: int | None, cols: int | None,
+                      budgets: PlatformBudgets) -> tuple[int, int]:
+    """``(grad_token_chunk, grad_chunk)`` of a vocab-outer gradient tile, explicit sizes kept (rule 4)."""
+    cols = min(cols, v) if cols is not None else _slice_width(h, v, budgets.dw_slice_bytes)
+    if rows is None:
+        rows = max(_align_down(budgets.grad_tile_bytes // _F32 // cols, TOKEN_ALIGN), MIN_GRAD_TOKEN_CHUNK)
+    return min(rows, n), cols
 
 
 def _slice_width(h: int, v: int, budget_bytes: int, whole_if_fits: bool = False) -> int:
