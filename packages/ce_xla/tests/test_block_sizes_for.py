@@ -1,9 +1,12 @@
-"""The chunk plan the xla backend reports is the one it uses."""
+"""The chunk plan the xla backend reports is the one it uses, for the dtypes and platform compiled for."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import ce_core
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
 
 def test_block_sizes_for_reports_the_chunk_plan():
@@ -12,3 +15,24 @@ def test_block_sizes_for_reports_the_chunk_plan():
     plan = backend.block_sizes_for(ce_core.Problem(1000, 32, 3001, jnp.float32, jnp.float32, spec))
     assert (plan.token_chunk, plan.vocab_chunk) == (64, 256)
     assert plan == backend.plan(1000, 32, 3001, spec)
+
+
+@pytest.mark.parametrize("dtype,order", [(jnp.float32, "tokens_outer"), (jnp.bfloat16, "vocab_outer")])
+def test_block_sizes_for_reports_the_gradient_order_of_the_dtypes(dtype, order):
+    backend = ce_core.get_backend("xla")
+    problem = ce_core.Problem(8192, 4096, 128256, jnp.dtype(dtype), jnp.dtype(dtype), ce_core.StatsSpec())
+    assert backend.block_sizes_for(problem).gradient_order == order
+
+
+def test_block_sizes_for_plans_for_the_tpu_being_compiled_for():
+    """Under a deviceless TPU topology's mesh (ahead-of-time compiles) the plan is the TPU one."""
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu").devices[0]
+    problem = ce_core.Problem(8192, 4096, 128256, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16), ce_core.StatsSpec())
+    backend = ce_core.get_backend("xla")
+    on_cpu = backend.block_sizes_for(problem)
+    with jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array([device]), ("aot",)).abstract_mesh):
+        on_tpu = backend.block_sizes_for(problem)
+    assert (on_cpu.token_chunk, on_cpu.grad_chunk) == (128, 512)
+    assert (on_tpu.token_chunk, on_tpu.grad_chunk) == (1024, 2048)

@@ -1,12 +1,15 @@
-"""Both gradient paths of the xla backend against float64, on vocabularies the chunks do not divide.
+"""Both gradient paths and both gradient orders of the xla backend against float64.
 
 - the general path: ``row_stats`` and its custom VJP (recomputes the logits: 8NHV), used by
   ``reduction="none"``, ``return_lse`` and vocab-sharded calls;
-- the fused path: ``row_stats_and_grads`` (dx and dw in the forward pass: 6NHV), used when the
-  loss is reduced to a scalar.
+- the fused path: ``row_stats_and_grads``, used when the loss is reduced to a scalar (dx and dw in
+  the forward pass, 6NHV, when the gradient order is tokens outer).
 
-Each runs in the three chunking modes: one chunk, full rows with overlapping token chunks and
-gradient slices, and vocab chunks (online logsumexp) with overlapping token and vocab chunks.
+Each runs in both gradient orders (tokens outer: float32 ``dw`` accumulated over token chunks;
+vocab outer: float32 ``dx`` accumulated over vocab slices), forced on both dtypes, and in three
+chunkings: one chunk; full-row statistics with overlapping token chunks (and, tokens outer,
+gradient slices); and vocab chunks with overlapping token and vocab chunks. N = 50 tokens and
+V = 1000 or 3001 are divided by none of the chunks.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from ce_core.testing import Case, compare_with_oracle, max_rel_error, random_pro
 from ce_xla import XlaBackend
 
 
-# (name, backend, block sizes); N = 50 tokens, V = 1000 or 3001 in the tests below.
-MODES = {
-    "one_chunk": (XlaBackend(), None),
-    # 24-row token chunks (50 = 24 + 24 + overlapping 24) and 512-column gradient slices.
-    "full_rows": (XlaBackend(grad_budget_bytes=1), BlockSizes(b_block_size=24)),
-    # 384-column vocab tiles divide neither 1000 nor 3001 (the last tile overlaps); 16-row chunks.
-    "vocab_chunks": (XlaBackend(), BlockSizes(b_block_size=16, v_block_size=384)),
+ORDERS = ("tokens_outer", "vocab_outer")
+# chunking -> (backend options, block sizes); N = 50 tokens, V = 1000 or 3001 in the tests below.
+CHUNKINGS = {
+    "one_chunk": ({}, None),
+    # 24-row token chunks (50 = 24 + 24 + overlapping 24); tokens outer, 512-column gradient slices.
+    "full_rows": ({"grad_budget_bytes": 1}, BlockSizes(b_block_size=24)),
+    # 384-column vocab tiles and gradient slices divide neither 1000 nor 3001 (the last overlaps).
+    "vocab_chunks": ({}, BlockSizes(b_block_size=16, v_block_size=384)),
 }
+MODES = {f"{chunking}-{order}": (XlaBackend(**options, gradient_order=order), block_sizes)
+         for chunking, (options, block_sizes) in CHUNKINGS.items() for order in ORDERS}
 # (vocab, dtype, soft cap): both odd vocabularies, both dtypes, with and without the cap.
 STATS_CASES = [(1000, "float32", None), (3001, "float32", 3.0), (1000, "bfloat16", 3.0), (3001, "bfloat16", None)]
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
@@ -37,7 +43,7 @@ TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
 @pytest.fixture(params=list(MODES), scope="module")
 def mode(request):
     backend, block_sizes = MODES[request.param]
-    name = f"xla_test_{request.param}"
+    name = f"xla_test_{request.param.replace('-', '_')}"
     register_backend(name, lambda: backend, replace=True)
     yield name, backend, block_sizes
     unregister_backend(name)
@@ -118,9 +124,49 @@ def test_row_stats_and_grads_matches_float64(mode, vocab, dtype, cap):
     _, dx64, dw64 = float64_stats(x32, w32, np.asarray(labels), cap, cotangent)
     for name in ("lse", "label", "sum"):
         check(getattr(stats, name), getattr(expected, name), 1e-5, name)
-    assert dx.dtype == x.dtype and dw.dtype == jnp.float32
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
     check(dx, dx64, TOLERANCE[dtype], "dx")
     check(dw, dw64, TOLERANCE[dtype], "dw")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_stats_vjp_from_a_global_lse_matches_float64(mode, dtype):
+    """``w`` is one vocab shard (ids [0, 1000) of 3001) and ``lse`` is over the whole vocabulary."""
+    _, backend, block_sizes = mode
+    x, labels, w_full = problem(3001, dtype, seed=9)
+    w = w_full[:, :1000]
+    spec = StatsSpec(logit_soft_cap=3.0, with_sum=True, block_sizes=block_sizes)
+    x32, w32 = np.asarray(x.astype(jnp.float32)), np.asarray(w_full.astype(jnp.float32))
+    lse = float64_stats(x32, w32, np.asarray(labels), 3.0).lse
+    rng = np.random.default_rng(10)
+    cotangent = RowStats(*(jnp.asarray(rng.standard_normal(50), jnp.float32) for _ in range(3)))
+    dx, dw = jax.jit(lambda a, b, l: backend.row_stats_vjp(a, b, labels, RowStats(l, l), cotangent, spec))(
+        x, w, jnp.asarray(lse, jnp.float32))
+    # The shard's share: softmax against the global lse; labels >= 1000 belong to other shards.
+    raw = x32.astype(np.float64) @ w32[:, :1000]
+    z = 3.0 * np.tanh(raw / 3.0)
+    one_hot = (np.arange(1000)[None, :] == np.asarray(labels)[:, None]).astype(np.float64)
+    g = [np.asarray(c, np.float64) for c in cotangent]
+    delta = (g[0][:, None] * np.exp(z - lse[:, None]) + g[1][:, None] * one_hot + g[2][:, None]) * (1 - np.tanh(raw / 3.0) ** 2)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    check(dx, delta @ w32[:, :1000].T, TOLERANCE[dtype], "dx")
+    check(dw, x32.T @ delta, TOLERANCE[dtype], "dw")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(mode, reduction, dtype):
+    name, _, block_sizes = mode
+    x, labels, w = random_problem(11, (50,), 40, 3001)
+    labels[:] = -100
+
+    def objective(a, b):
+        return jnp.sum(linear_cross_entropy(a, labels, b, reduction=reduction, implementation=name,
+                                            block_sizes=block_sizes, logsumexp_weight=1e-3))
+
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(objective, (0, 1)))(jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    assert float(loss) == 0.0
+    assert not np.any(np.asarray(dx, np.float32)) and not np.any(np.asarray(dw, np.float32))
 
 
 @pytest.mark.parametrize("reduction,vocab", [("mean", 3001), ("sum", 1000), ("none", 3001)])
@@ -169,13 +215,50 @@ def count_dots(jaxpr) -> int:
     return total
 
 
-@pytest.mark.parametrize("reduction,dots", [("mean", 3), ("none", 4)])
-def test_fused_path_does_three_matmul_passes_the_general_path_four(reduction, dots):
-    """Full-row mode: logits, dx and dw products once per chunk (6NHV); the VJP adds a recompute."""
+@pytest.fixture
+def no_fused_allowance(monkeypatch):
+    """The order rule without its 64 MiB allowance, so that small bf16 problems take vocab outer."""
+    import ce_xla.chunking
+
+    monkeypatch.setattr(ce_xla.chunking, "FUSED_ALLOWANCE_BYTES", 0)
+
+
+@pytest.mark.parametrize("reduction,dtype,dots", [("mean", "float32", 3), ("none", "float32", 4),
+                                                  ("mean", "bfloat16", 4), ("none", "bfloat16", 4)])
+def test_fused_path_does_three_matmul_passes_the_others_four(no_fused_allowance, reduction, dtype, dots):
+    """Full-row mode: logits, dx and dw products once per chunk (6NHV); the VJP adds a recompute,
+    and so does the vocab-outer order that bf16 takes (statistics first, then 8NHV in all)."""
     x, labels, w = random_problem(7, (64,), 16, 100)
     loss = lambda a, b: jnp.sum(linear_cross_entropy(a, labels, b, reduction=reduction, implementation="xla",  # noqa: E731
                                                      block_sizes=BlockSizes(b_block_size=16)))
-    assert count_dots(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(x, w).jaxpr) == dots
+    args = (jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    assert count_dots(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(*args).jaxpr) == dots
+
+
+@pytest.mark.parametrize("dtype,vocab,order", [("float32", 100, "tokens_outer"), ("bfloat16", 100, "vocab_outer"),
+                                               ("bfloat16", 48, "tokens_outer")])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_every_entry_point_takes_the_planned_gradient_order(monkeypatch, no_fused_allowance, dtype, vocab, order,
+                                                            reduction):
+    """bf16 with V > N avoids the float32 [H, V] accumulator on the fused and the general path;
+    with V <= N (here 48 <= 64) the dw accumulator is the smaller one, and tokens outer keeps it."""
+    import ce_xla.vocab_outer as vocab_outer_module
+
+    calls = []
+    original = vocab_outer_module.row_stats_grads
+    monkeypatch.setattr(vocab_outer_module, "row_stats_grads", lambda *a, **k: calls.append(1) or original(*a, **k))
+    x, labels, w = random_problem(12, (64,), 16, vocab)
+    args = (jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    jax.grad(lambda a, b: jnp.sum(linear_cross_entropy(a, labels, b, reduction=reduction, implementation="xla")),
+             (0, 1))(*args)
+    assert bool(calls) == (order == "vocab_outer")
+    calls.clear()
+    backend = XlaBackend()
+    lse = backend.row_stats(*args[:1], args[1], jnp.asarray(np.maximum(labels, 0)), StatsSpec()).lse
+    zeros = jnp.zeros(64, jnp.float32)
+    backend.row_stats_vjp(args[0], args[1], jnp.asarray(np.maximum(labels, 0)), RowStats(lse, zeros), RowStats(zeros + 1, zeros),
+                          StatsSpec())
+    assert bool(calls) == (order == "vocab_outer")
 
 
 def test_float16_mean_gradients_do_not_underflow():

@@ -3,29 +3,32 @@
 ``row_stats`` is a ``jax.custom_vjp`` whose residuals are ``x``, ``w``, the labels and the ``[N]``
 lse (O(N) beyond the inputs); its backward pass recomputes the logits chunk by chunk (8NHV in all).
 ``row_stats_and_grads``, used by ``ce_core`` when the loss is reduced to a scalar, forms ``dx`` and
-``dw`` in the same pass as the statistics (6NHV).
+``dw`` in the same pass as the statistics (6NHV) when the plan's gradient order is tokens outer.
+Every entry point takes its gradient order from the plan (:mod:`ce_xla.chunking`), so none holds a
+float32 ``[H, V]`` accumulator for a bf16 ``w``.
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import functools
+from types import MappingProxyType
 from typing import Any
 
 import jax
+import numpy as np
 from ce_core import Backend, CotangentFn, Problem, RowStats, StatsSpec
 
 from ce_xla import backward, forward, fused
-from ce_xla.chunking import LOGITS_BUDGET_BYTES, ChunkPlan, check_block_sizes, plan_chunks
+from ce_xla.chunking import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks
+from ce_xla.platforms import target_platform
 
 
 class XlaBackend(Backend):
     """Streams over token chunks (and vocab chunks) with ``lax.fori_loop``; runs wherever XLA runs.
 
-    ``budget_bytes`` bounds one float32 logits chunk and ``grad_budget_bytes`` one ``dw`` update
-    (``None``: the platform's default) when no explicit block sizes are given; see
-    :mod:`ce_xla.chunking` for the rule.
+    ``budget_bytes`` bounds one float32 logits chunk and ``grad_budget_bytes`` one tokens-outer
+    ``dw`` update (``None``: the platform's default), and ``gradient_order`` forces a gradient loop
+    order (``None``: the rule); see :mod:`ce_xla.chunking`.
     """
 
     name = "xla"
@@ -33,29 +36,41 @@ class XlaBackend(Backend):
     #: The default wherever XLA runs, after a platform's own kernels.
     default_priority = MappingProxyType({"*": 10})
 
-    def __init__(self, budget_bytes: int = LOGITS_BUDGET_BYTES, grad_budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        budget_bytes: int | None = None,
+        grad_budget_bytes: int | None = None,
+        gradient_order: GradientOrder | None = None,
+    ) -> None:
         for name, value in (("budget_bytes", budget_bytes), ("grad_budget_bytes", grad_budget_bytes)):
-            if value is None and name == "grad_budget_bytes":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if gradient_order is not None and gradient_order not in GRADIENT_ORDERS:
+            raise ValueError(f"gradient_order must be None or one of {GRADIENT_ORDERS}, got {gradient_order!r}")
         self.budget_bytes = budget_bytes
         self.grad_budget_bytes = grad_budget_bytes
+        self.gradient_order = gradient_order
 
     def check(self, problem: Problem) -> None:
         """Explicit block sizes this backend cannot use are a ``ValueError`` naming them."""
         check_block_sizes(problem.spec.block_sizes, problem.h)
 
-    def plan(self, n: int, h: int, v: int, spec: StatsSpec) -> ChunkPlan:
-        """The chunk sizes used for ``x: [n, h]``, ``w: [h, v]``."""
-        return plan_chunks(n, h, v, spec.block_sizes, budget_bytes=self.budget_bytes,
-                           grad_budget_bytes=self.grad_budget_bytes, platform=jax.default_backend())
+    def plan(self, n: int, h: int, v: int, spec: StatsSpec, x_dtype: Any = np.float32,
+             w_dtype: Any = np.float32) -> ChunkPlan:
+        """The chunk plan used for ``x: [n, h]`` of ``x_dtype``, ``w: [h, v]`` of ``w_dtype``."""
+        return plan_chunks(n, h, v, spec.block_sizes, x_dtype=x_dtype, w_dtype=w_dtype, order=self.gradient_order,
+                           budget_bytes=self.budget_bytes, grad_budget_bytes=self.grad_budget_bytes,
+                           platform=target_platform())
 
     def block_sizes_for(self, problem: Problem) -> ChunkPlan:
-        return self.plan(problem.n, problem.h, problem.v, problem.spec)
+        """The chunk plan, gradient order included, for ``problem`` on the platform being compiled for."""
+        return self.plan(problem.n, problem.h, problem.v, problem.spec, problem.x_dtype, problem.w_dtype)
+
+    def _plan_for(self, x: jax.Array, w: jax.Array, spec: StatsSpec) -> ChunkPlan:
+        return self.plan(x.shape[0], *w.shape, spec, x.dtype, w.dtype)
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
-        return _row_stats(x, w, labels, spec, self.plan(x.shape[0], *w.shape, spec))
+        return _row_stats(x, w, labels, spec, self._plan_for(x, w, spec))
 
     def row_stats_vjp(
         self,
@@ -66,7 +81,7 @@ class XlaBackend(Backend):
         cotangent: RowStats,
         spec: StatsSpec,
     ) -> tuple[jax.Array, jax.Array]:
-        return backward.row_stats_grads(x, w, labels, stats.lse, cotangent, spec, self.plan(x.shape[0], *w.shape, spec))
+        return backward.row_stats_grads(x, w, labels, stats.lse, cotangent, spec, self._plan_for(x, w, spec))
 
     def row_stats_and_grads(
         self,
@@ -77,11 +92,11 @@ class XlaBackend(Backend):
         cotangent_fn: CotangentFn,
         token_params: Any,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
-        plan = self.plan(x.shape[0], *w.shape, spec)
-        return fused.row_stats_and_grads(x, w, labels, spec, plan, cotangent_fn, token_params)
+        return fused.row_stats_and_grads(x, w, labels, spec, self._plan_for(x, w, spec), cotangent_fn, token_params)
 
     def __repr__(self) -> str:
-        return f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes})"
+        return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "
+                f"gradient_order={self.gradient_order!r})")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

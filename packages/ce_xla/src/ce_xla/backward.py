@@ -1,8 +1,10 @@
 """Gradient pass: ``dx = delta @ w.T`` and ``dw = x.T @ delta`` from the logit cotangent ``delta``.
 
-``delta`` exists one ``[rows, grad_chunk]`` tile at a time. :func:`chunk_grads` handles one token
-chunk (used by both the fused path and the recompute path); :func:`row_stats_grads` is the VJP of
-:func:`ce_xla.forward.row_stats`, which recomputes the logits from ``x`` and ``w`` (8NHV in all).
+``delta`` exists one ``[rows, grad_chunk]`` tile at a time. :func:`row_stats_grads` is the VJP of
+:func:`ce_xla.forward.row_stats`, which recomputes the logits from ``x`` and ``w`` (8NHV in all),
+in the plan's gradient order: here with token chunks outer (a float32 ``dw`` accumulator), or in
+:mod:`ce_xla.vocab_outer`. :func:`chunk_grads` handles one token chunk tokens outer (used by both
+the fused path and the recompute path).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import jax.numpy as jnp
 from ce_core import RowStats, StatsSpec
 from ce_core.varying import vary_like
 
-from ce_xla import tiles
+from ce_xla import tiles, vocab_outer
 from ce_xla.chunking import ChunkPlan
 from ce_xla.loops import chunk_start, loop
 
@@ -84,6 +86,8 @@ def row_stats_grads(
     plan: ChunkPlan,
 ) -> tuple[jax.Array, jax.Array]:
     """``dx`` (dtype of ``x``) and ``dw`` (dtype of ``w``) for cotangents of the row statistics."""
+    if plan.gradient_order == "vocab_outer":
+        return vocab_outer.row_stats_grads(x, w, labels, lse, cotangent, spec, plan)
     n, rows = x.shape[0], plan.token_chunk
     dtype = jnp.promote_types(x.dtype, w.dtype)
 

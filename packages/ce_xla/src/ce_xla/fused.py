@@ -6,6 +6,11 @@ once a token chunk's logits and statistics are known, its ``delta`` and its shar
 ``dw`` can be formed right away from the same logits: three matmul passes (logits, dx, dw) like the
 materialised reference, instead of four for forward-then-recompute. In vocab-chunked mode the
 logits of a chunk are not all held at once, so they are recomputed tile by tile (8NHV).
+
+That needs the gradient order ``"tokens_outer"`` (``dw`` accumulated in float32 across token
+chunks). When the plan says ``"vocab_outer"`` (bf16 ``w``: see :mod:`ce_xla.chunking`), the
+statistics come first and the gradients follow with the vocabulary outer (8NHV, no ``[H, V]``
+float32 accumulator).
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import jax.numpy as jnp
 from ce_core import CotangentFn, RowStats, StatsSpec
 from ce_core.varying import vary_like
 
+from ce_xla import vocab_outer
 from ce_xla.backward import chunk_grads, owned_rows
 from ce_xla.chunking import ChunkPlan
-from ce_xla.forward import chunk_row_stats
+from ce_xla.forward import chunk_row_stats, row_stats
 from ce_xla.loops import chunk_start, loop
 
 
@@ -32,7 +38,11 @@ def row_stats_and_grads(
     cotangent_fn: CotangentFn,
     token_params: Any,
 ) -> tuple[RowStats, jax.Array, jax.Array]:
-    """Statistics, ``dx`` (dtype of ``x``) and ``dw`` (float32) for ``cotangent_fn``'s cotangents."""
+    """Statistics, ``dx`` (dtype of ``x``) and ``dw`` (dtype of ``w``) for ``cotangent_fn``'s cotangents."""
+    if not plan.fused:
+        stats = row_stats(x, w, labels, spec, plan)
+        dx, dw = vocab_outer.row_stats_grads(x, w, labels, stats.lse, cotangent_fn(stats, token_params), spec, plan)
+        return stats, dx, dw
     n, rows = x.shape[0], plan.token_chunk
     dtype = jnp.promote_types(x.dtype, w.dtype)
 
@@ -51,4 +61,5 @@ def row_stats_and_grads(
     zeros = jnp.zeros((n,), jnp.float32)
     initial = (RowStats(zeros, zeros, zeros if spec.with_sum else None), jnp.zeros(x.shape, x.dtype),
                jnp.zeros(w.shape, jnp.float32))
-    return loop(plan.token_chunks, chunk, vary_like(initial, x, w, labels, token_params))
+    stats, dx, dw = loop(plan.token_chunks, chunk, vary_like(initial, x, w, labels, token_params))
+    return stats, dx, dw.astype(w.dtype)
