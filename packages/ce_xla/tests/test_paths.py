@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy
+from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy, linear_log_probs
 from ce_core.registry import register_backend, unregister_backend
-from ce_core.testing import Case, compare_with_oracle, max_rel_error, random_problem
+from ce_core.testing import Case, compare_with_oracle, log_probs_oracle, max_rel_error, random_problem
 from ce_xla import XlaBackend
 
 
@@ -177,6 +177,26 @@ def test_loss_matches_oracle(mode, vocab, reduction):
     compare_with_oracle(name, case, x, labels, w, block_sizes=block_sizes)
     compare_with_oracle(name, Case(reduction=reduction), x, labels, w, dtype="bfloat16", block_sizes=block_sizes)
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_log_probs_and_entropy_match_oracle(mode, dtype):
+    """The expected-logit statistic streamed and differentiated in every chunking and gradient order."""
+    name, _, block_sizes = mode
+    x, labels, w = random_problem(5, (5, 10), 40, 3001)
+    rng = np.random.default_rng(5)
+    g_logp, g_ent = (rng.standard_normal(labels.shape).astype(np.float32) for _ in range(2))
+
+    def objective(x_, w_):
+        logp, entropy = linear_log_probs(x_, labels, w_, temperature=0.7, logit_soft_cap=3.0, return_entropy=True,
+                                         implementation=name, block_sizes=block_sizes)
+        return jnp.sum(g_logp * logp + g_ent * entropy), (logp, entropy)
+
+    xj, wj = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    (_, (logp, entropy)), (dx, dw) = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(xj, wj)
+    expected = log_probs_oracle(np.asarray(xj, np.float32), labels, np.asarray(wj, np.float32), temperature=0.7,
+                                logit_soft_cap=3.0, logp_cotangent=g_logp, entropy_cotangent=g_ent)
+    for actual, key in ((logp, "logp"), (entropy, "entropy"), (dx, "dx"), (dw, "dw")):
+        assert max_rel_error(actual, expected[key]) < TOLERANCE[dtype], key
 
 def test_the_two_paths_agree(mode):
     name, _, block_sizes = mode

@@ -1,7 +1,7 @@
 """The ``xla`` backend: chunked statistics with a custom VJP, and the fused 6NHV path.
 
 ``row_stats`` is a ``jax.custom_vjp`` whose residuals are ``x``, ``w``, the labels and the ``[N]``
-lse (O(N) beyond the inputs); its backward pass recomputes the logits chunk by chunk (8NHV in all).
+statistics (O(N) beyond the inputs); its backward pass recomputes the logits chunk by chunk (8NHV in all).
 ``row_stats_and_grads``, used by ``ce_core`` when the loss is reduced to a scalar, forms ``dx`` and
 ``dw`` in the same pass as the statistics (6NHV) when the plan's gradient order is tokens outer.
 Every entry point takes its gradient order from the plan (:mod:`ce_xla.chunking`), so none holds a
@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from ce_core import Backend, CotangentFn, Problem, RowStats, StatsSpec
 
+from ce_core import Backend, CotangentFn, Problem, RowStats, StatsSpec
 from ce_xla import backward, forward, fused
 from ce_xla.chunking import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks
 from ce_xla.platforms import target_platform
@@ -32,7 +32,7 @@ class XlaBackend(Backend):
     """
 
     name = "xla"
-    contract_version = 1
+    contract_version = 2
     #: The default wherever XLA runs, after a platform's own kernels.
     default_priority = MappingProxyType({"*": 10})
 
@@ -81,7 +81,7 @@ class XlaBackend(Backend):
         cotangent: RowStats,
         spec: StatsSpec,
     ) -> tuple[jax.Array, jax.Array]:
-        return backward.row_stats_grads(x, w, labels, stats.lse, cotangent, spec, self._plan_for(x, w, spec))
+        return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, self._plan_for(x, w, spec))
 
     def row_stats_and_grads(
         self,
@@ -106,12 +106,12 @@ def _row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, p
 
 def _row_stats_fwd(x, w, labels, spec, plan):
     stats = forward.row_stats(x, w, labels, spec, plan)
-    return stats, (x, w, labels, stats.lse)
+    return stats, (x, w, labels, stats)
 
 
 def _row_stats_bwd(spec, plan, residuals, cotangent):
-    x, w, labels, lse = residuals
-    dx, dw = backward.row_stats_grads(x, w, labels, lse, cotangent, spec, plan)
+    x, w, labels, stats = residuals
+    dx, dw = backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan)
     return dx, dw, None
 
 

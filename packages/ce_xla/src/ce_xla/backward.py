@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from ce_core import RowStats, StatsSpec
 from ce_core.varying import vary_like
-
 from ce_xla import tiles, vocab_outer
 from ce_xla.chunking import ChunkPlan
 from ce_xla.loops import chunk_start, loop
@@ -26,7 +26,7 @@ def chunk_grads(
     x_chunk: jax.Array,
     w: jax.Array,
     labels: jax.Array,
-    lse: jax.Array,
+    stats: RowStats,
     cotangent: RowStats,
     spec: StatsSpec,
     plan: ChunkPlan,
@@ -36,6 +36,9 @@ def chunk_grads(
     z: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dx_chunk, dw)``: this chunk's float32 ``dx`` rows, and ``dw`` plus this chunk's share.
+
+    ``stats`` are the chunk's rows' statistics over the whole vocabulary (lse, and the expected
+    logit when its cotangent is given).
 
     ``z`` is the chunk's float32 logits when the forward pass kept them (full-row mode); otherwise
     each tile's logits are recomputed. ``rows_owned`` masks rows an overlapping last token chunk
@@ -55,7 +58,7 @@ def chunk_grads(
             z_tile = tiles.logits(x_chunk, w_tile, cap, dtype)
         else:
             z_tile = z if width == plan.v else jax.lax.dynamic_slice_in_dim(z, start, width, axis=1)
-        delta = tiles.logit_cotangent(z_tile, lse, cotangent, labels, cols, tiles.column_mask(cols, first_new), cap)
+        delta = tiles.logit_cotangent(z_tile, stats, cotangent, labels, cols, tiles.column_mask(cols, first_new), cap)
         delta = delta.astype(product_dtype)
         dx = dx + jax.lax.dot_general(delta, w_tile.astype(product_dtype), _CONTRACT_COLS,
                                       preferred_element_type=jnp.float32)
@@ -80,14 +83,14 @@ def row_stats_grads(
     x: jax.Array,
     w: jax.Array,
     labels: jax.Array,
-    lse: jax.Array,
+    stats: RowStats,
     cotangent: RowStats,
     spec: StatsSpec,
     plan: ChunkPlan,
 ) -> tuple[jax.Array, jax.Array]:
-    """``dx`` (dtype of ``x``) and ``dw`` (dtype of ``w``) for cotangents of the row statistics."""
+    """``dx`` (dtype of ``x``) and ``dw`` (dtype of ``w``) for cotangents of the row statistics ``stats``."""
     if plan.gradient_order == "vocab_outer":
-        return vocab_outer.row_stats_grads(x, w, labels, lse, cotangent, spec, plan)
+        return vocab_outer.row_stats_grads(x, w, labels, stats, cotangent, spec, plan)
     n, rows = x.shape[0], plan.token_chunk
     dtype = jnp.promote_types(x.dtype, w.dtype)
 
@@ -95,10 +98,10 @@ def row_stats_grads(
         dx, dw = carry
         start, first_new = chunk_start(i, rows, n)
         piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
-        dx_chunk, dw = chunk_grads(piece(x), w, piece(labels), piece(lse), jax.tree.map(piece, cotangent), spec,
+        dx_chunk, dw = chunk_grads(piece(x), w, piece(labels), jax.tree.map(piece, stats), jax.tree.map(piece, cotangent), spec,
                                    plan, dtype, dw, owned_rows(start, first_new, rows))
         return jax.lax.dynamic_update_slice_in_dim(dx, dx_chunk.astype(x.dtype), start, 0), dw
 
-    initial = vary_like((jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32)), x, w, labels, lse, cotangent)
+    initial = vary_like((jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32)), x, w, labels, stats, cotangent)
     dx, dw = loop(plan.token_chunks, chunk, initial)
     return dx, dw.astype(w.dtype)

@@ -66,8 +66,8 @@ import dataclasses
 from typing import Literal
 
 import numpy as np
-from ce_core import BlockSizes
 
+from ce_core import BlockSizes
 from ce_xla.platforms import CPU, PlatformBudgets, budgets_for
 
 GradientOrder = Literal["tokens_outer", "vocab_outer"]

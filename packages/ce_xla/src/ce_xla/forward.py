@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from ce_core import RowStats, StatsSpec
 from ce_core.varying import vary_like
-
 from ce_xla import tiles
 from ce_xla.chunking import ChunkPlan
 from ce_xla.loops import chunk_start, loop
@@ -27,7 +27,7 @@ def chunk_row_stats(
     cap = spec.logit_soft_cap
     if plan.full_rows:
         z = tiles.logits(x_chunk, w, cap, dtype)
-        stats = tiles.tile_stats(z, labels, 0, None, spec.with_sum)
+        stats = tiles.tile_stats(z, labels, 0, None, spec.with_sum, spec.with_expected)
         return tiles.finish(stats), z
 
     width = plan.vocab_chunk
@@ -35,9 +35,9 @@ def chunk_row_stats(
     def tile(j, state: tiles.TileStats) -> tiles.TileStats:
         start, first_new = chunk_start(j, width, plan.v)
         z = tiles.logits(x_chunk, jax.lax.dynamic_slice_in_dim(w, start, width, axis=1), cap, dtype)
-        return tiles.merge(state, tiles.tile_stats(z, labels, start, first_new, spec.with_sum))
+        return tiles.merge(state, tiles.tile_stats(z, labels, start, first_new, spec.with_sum, spec.with_expected))
 
-    initial = vary_like(tiles.empty_stats(x_chunk.shape[0], spec.with_sum), x_chunk, w, labels)
+    initial = vary_like(tiles.empty_stats(x_chunk.shape[0], spec.with_sum, spec.with_expected), x_chunk, w, labels)
     return tiles.finish(loop(plan.vocab_chunks, tile, initial)), None
 
 
@@ -54,5 +54,6 @@ def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, pl
         return jax.tree.map(lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0), out, stats)
 
     zeros = jnp.zeros((n,), jnp.float32)
-    initial = vary_like(RowStats(zeros, zeros, zeros if spec.with_sum else None), x, w, labels)
+    initial = vary_like(RowStats(zeros, zeros, zeros if spec.with_sum else None, zeros if spec.with_expected else None),
+                        x, w, labels)
     return loop(plan.token_chunks, chunk, initial)

@@ -19,9 +19,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 from ce_core import CotangentFn, RowStats, StatsSpec
 from ce_core.varying import vary_like
-
 from ce_xla import vocab_outer
 from ce_xla.backward import chunk_grads, owned_rows
 from ce_xla.chunking import ChunkPlan
@@ -41,7 +41,7 @@ def row_stats_and_grads(
     """Statistics, ``dx`` (dtype of ``x``) and ``dw`` (dtype of ``w``) for ``cotangent_fn``'s cotangents."""
     if not plan.fused:
         stats = row_stats(x, w, labels, spec, plan)
-        dx, dw = vocab_outer.row_stats_grads(x, w, labels, stats.lse, cotangent_fn(stats, token_params), spec, plan)
+        dx, dw = vocab_outer.row_stats_grads(x, w, labels, stats, cotangent_fn(stats, token_params), spec, plan)
         return stats, dx, dw
     n, rows = x.shape[0], plan.token_chunk
     dtype = jnp.promote_types(x.dtype, w.dtype)
@@ -53,13 +53,14 @@ def row_stats_and_grads(
         x_chunk, labels_chunk = piece(x), piece(labels)
         stats_chunk, z = chunk_row_stats(x_chunk, w, labels_chunk, spec, plan, dtype)
         cotangent = cotangent_fn(stats_chunk, jax.tree.map(piece, token_params))
-        dx_chunk, dw = chunk_grads(x_chunk, w, labels_chunk, stats_chunk.lse, cotangent, spec, plan, dtype, dw,
+        dx_chunk, dw = chunk_grads(x_chunk, w, labels_chunk, stats_chunk, cotangent, spec, plan, dtype, dw,
                                    owned_rows(start, first_new, rows), z)
         put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0)  # noqa: E731
         return jax.tree.map(put, stats, stats_chunk), put(dx, dx_chunk.astype(x.dtype)), dw
 
     zeros = jnp.zeros((n,), jnp.float32)
-    initial = (RowStats(zeros, zeros, zeros if spec.with_sum else None), jnp.zeros(x.shape, x.dtype),
+    initial = (RowStats(zeros, zeros, zeros if spec.with_sum else None, zeros if spec.with_expected else None),
+               jnp.zeros(x.shape, x.dtype),
                jnp.zeros(w.shape, jnp.float32))
     stats, dx, dw = loop(plan.token_chunks, chunk, vary_like(initial, x, w, labels, token_params))
     return stats, dx, dw.astype(w.dtype)

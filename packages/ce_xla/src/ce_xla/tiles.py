@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
 from ce_core import RowStats
 
 
@@ -51,12 +52,14 @@ class TileStats(NamedTuple):
     sumexp: jax.Array
     label: jax.Array
     total: jax.Array | None
+    weighted: jax.Array | None  # sum_j exp(z_ij - max_i) z_ij: the expected logit times sumexp
 
 
 def tile_stats(
-    z: jax.Array, labels: jax.Array, start: jax.Array | int, first_new: jax.Array | int | None, with_sum: bool
+    z: jax.Array, labels: jax.Array, start: jax.Array | int, first_new: jax.Array | int | None, with_sum: bool,
+    with_expected: bool = False,
 ) -> TileStats:
-    """Max, sum of ``exp(z - max)``, label logit and (optionally) logit sum of one tile.
+    """Max, sum of ``exp(z - max)``, label logit and (optionally) logit sum and ``exp``-weighted logit sum of one tile.
 
     ``start`` is the vocab id of the tile's first column; columns below ``first_new`` belong to the
     previous tile and are masked (``None``: no overlap).
@@ -64,12 +67,13 @@ def tile_stats(
     valid = column_mask(column_ids(start, z.shape[1]), first_new)
     masked = z if valid is None else jnp.where(valid, z, -jnp.inf)
     peak = jnp.max(masked, axis=1)
-    sumexp = jnp.sum(jnp.exp(masked - peak[:, None]), axis=1)
+    exps = jnp.exp(masked - peak[:, None])
+    sumexp = jnp.sum(exps, axis=1)
     label = label_logit(z, labels, start, first_new)
-    total = None
-    if with_sum:
-        total = jnp.sum(z if valid is None else jnp.where(valid, z, 0.0), axis=1)
-    return TileStats(peak, sumexp, label, total)
+    owned_z = z if valid is None else jnp.where(valid, z, 0.0)  # columns the previous tile owns count for nothing
+    total = jnp.sum(owned_z, axis=1) if with_sum else None
+    weighted = jnp.sum(exps * owned_z, axis=1) if with_expected else None
+    return TileStats(peak, sumexp, label, total, weighted)
 
 
 def label_logit(
@@ -90,40 +94,51 @@ def label_logit(
     return jnp.where(inside, picked, 0.0)
 
 
-def empty_stats(rows: int, with_sum: bool) -> TileStats:
+def empty_stats(rows: int, with_sum: bool, with_expected: bool = False) -> TileStats:
     """The state before any tile: max ``-inf``, sums 0."""
     zeros = jnp.zeros((rows,), jnp.float32)
-    return TileStats(jnp.full((rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros if with_sum else None)
+    return TileStats(jnp.full((rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros if with_sum else None,
+                     zeros if with_expected else None)
 
 
 def merge(a: TileStats, b: TileStats) -> TileStats:
     """The state over the tiles of ``a`` and of ``b``: the sums of exponentials rescaled to one max."""
     peak = jnp.maximum(a.max, b.max)
     # a.max is -inf before the first tile; exp(-inf - finite) is 0, as it should be.
-    sumexp = a.sumexp * jnp.exp(a.max - peak) + b.sumexp * jnp.exp(b.max - peak)
-    total = None if a.total is None else a.total + b.total
-    return TileStats(peak, sumexp, a.label + b.label, total)
+    scale_a, scale_b = jnp.exp(a.max - peak), jnp.exp(b.max - peak)
+    sumexp = a.sumexp * scale_a + b.sumexp * scale_b
+    total = None if a.total is None or b.total is None else a.total + b.total
+    weighted = None if a.weighted is None or b.weighted is None else a.weighted * scale_a + b.weighted * scale_b
+    return TileStats(peak, sumexp, a.label + b.label, total, weighted)
 
 
 def finish(state: TileStats) -> RowStats:
-    """Row statistics from the online state."""
-    return RowStats(state.max + jnp.log(state.sumexp), state.label, state.total)
+    """Row statistics from the online state (the expected logit is the weighted sum over ``sumexp``)."""
+    expected = None if state.weighted is None else state.weighted / state.sumexp
+    return RowStats(state.max + jnp.log(state.sumexp), state.label, state.total, expected)
 
 
 def logit_cotangent(
     z: jax.Array,
-    lse: jax.Array,
+    stats: RowStats,
     cotangent: RowStats,
     labels: jax.Array,
     cols: jax.Array,
     valid: jax.Array | None,
     cap: float | None,
 ) -> jax.Array:
-    """``delta = (g_lse softmax + g_label [col == label] + g_sum) * cap'(z)`` of one tile, float32.
+    """``delta`` of one tile, float32: the contract's logit cotangent (see :mod:`ce_core.backend`) times ``cap'(z)``.
 
-    ``cap'`` is written in terms of the capped logit: ``1 - tanh^2 = 1 - (z / c)^2``.
+    ``g_lse p + g_label [col == label] + g_sum + g_expected p (1 + z - expected)``, with ``p`` the
+    softmax against the rows' ``stats.lse`` (which may cover a larger vocabulary than this tile's
+    ``w``). ``cap'`` is written in terms of the capped logit: ``1 - tanh^2 = 1 - (z / c)^2``.
     """
-    delta = cotangent.lse[:, None] * jnp.exp(z - lse[:, None])
+    p = jnp.exp(z - stats.lse[:, None])
+    delta = cotangent.lse[:, None] * p
+    if cotangent.expected is not None:
+        if stats.expected is None:
+            raise ValueError("a cotangent of the expected logit needs the rows' expected logit")
+        delta = delta + cotangent.expected[:, None] * p * (1.0 + z - stats.expected[:, None])
     delta = delta + jnp.where(cols == labels[:, None], cotangent.label[:, None], 0.0)
     if cotangent.sum is not None:
         delta = delta + cotangent.sum[:, None]

@@ -1,7 +1,7 @@
 """Gradients with the vocabulary as the outer loop: no ``[H, V]`` float32 accumulator.
 
 For each slice of ``grad_chunk`` vocab columns, every token chunk is streamed: its logits tile is
-recomputed, its ``delta`` formed from the known lse, ``dx`` rows gain ``delta @ w_slice.T`` in a
+recomputed, its ``delta`` formed from the known statistics, ``dx`` rows gain ``delta @ w_slice.T`` in a
 float32 ``[N, H]`` accumulator, and the slice's float32 ``dw`` gains ``x_chunk.T @ delta``. The
 slice is then written once, in ``w``'s dtype. Temporaries: ``4NH`` bytes of ``dx`` (none when ``x``
 is float32: the accumulator is the gradient) plus one ``dw`` slice and one tile, whatever ``V``.
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from ce_core import RowStats, StatsSpec
 from ce_core.varying import vary_like
-
 from ce_xla import tiles
 from ce_xla.chunking import ChunkPlan
 from ce_xla.loops import chunk_start, loop
@@ -31,7 +31,7 @@ def row_stats_grads(
     x: jax.Array,
     w: jax.Array,
     labels: jax.Array,
-    lse: jax.Array,
+    stats: RowStats,
     cotangent: RowStats,
     spec: StatsSpec,
     plan: ChunkPlan,
@@ -58,7 +58,7 @@ def row_stats_grads(
             x_chunk = piece(x)
             z = tiles.logits(x_chunk, w_slice, cap, dtype)
             owned = _owned(cols_owned, row_start, first_row, rows)
-            delta = tiles.logit_cotangent(z, piece(lse), jax.tree.map(piece, cotangent), piece(labels), cols, owned,
+            delta = tiles.logit_cotangent(z, jax.tree.map(piece, stats), jax.tree.map(piece, cotangent), piece(labels), cols, owned,
                                           cap).astype(product_dtype)
             dx_rows = piece(dx) + jax.lax.dot_general(delta, w_product, _CONTRACT_COLS,
                                                       preferred_element_type=jnp.float32)
@@ -75,7 +75,7 @@ def row_stats_grads(
             dw_slice = jnp.where(cols_owned, dw_slice, jax.lax.dynamic_slice_in_dim(dw, start, width, axis=1))
         return dx, jax.lax.dynamic_update_slice_in_dim(dw, dw_slice, start, axis=1)
 
-    initial = vary_like((jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, w.dtype)), x, w, labels, lse, cotangent)
+    initial = vary_like((jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, w.dtype)), x, w, labels, stats, cotangent)
     dx, dw = loop(plan.grad_chunks, vocab_slice, initial)
     return dx.astype(x.dtype), dw
 
