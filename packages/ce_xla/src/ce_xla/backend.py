@@ -49,7 +49,7 @@ class XlaBackend(Backend):
             raise ValueError(f"gradient_order must be None or one of {GRADIENT_ORDERS}, got {gradient_order!r}")
         self.budget_bytes = budget_bytes
         self.grad_budget_bytes = grad_budget_bytes
-        self.gradient_order = gradient_order
+        self.gradient_order: GradientOrder | None = gradient_order
 
     def check(self, problem: Problem) -> None:
         """Explicit block sizes this backend cannot use are a ``ValueError`` naming them."""
@@ -67,7 +67,7 @@ class XlaBackend(Backend):
         return self.plan(problem.n, problem.h, problem.v, problem.spec, problem.x_dtype, problem.w_dtype)
 
     def _plan_for(self, x: jax.Array, w: jax.Array, spec: StatsSpec) -> ChunkPlan:
-        return self.plan(x.shape[0], *w.shape, spec, x.dtype, w.dtype)
+        return self.plan(x.shape[0], w.shape[0], w.shape[1], spec, x.dtype, w.dtype)
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
         return _row_stats(x, w, labels, spec, self._plan_for(x, w, spec))

@@ -98,8 +98,9 @@ def row_stats_grads(
         dx, dw = carry
         start, first_new = chunk_start(i, rows, n)
         piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
-        dx_chunk, dw = chunk_grads(piece(x), w, piece(labels), jax.tree.map(piece, stats), jax.tree.map(piece, cotangent), spec,
-                                   plan, dtype, dw, owned_rows(start, first_new, rows))
+        dx_chunk, dw = chunk_grads(piece(x), w, piece(labels), jax.tree.map(piece, stats),
+                                   jax.tree.map(piece, cotangent), spec, plan, dtype, dw,
+                                   owned_rows(start, first_new, rows))
         return jax.lax.dynamic_update_slice_in_dim(dx, dx_chunk.astype(x.dtype), start, 0), dw
 
     initial = vary_like((jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32)), x, w, labels, stats, cotangent)

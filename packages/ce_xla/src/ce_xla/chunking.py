@@ -66,6 +66,7 @@ import dataclasses
 from typing import Literal
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ce_core import BlockSizes
 from ce_xla.platforms import CPU, PlatformBudgets, budgets_for
@@ -142,7 +143,7 @@ class ChunkPlan:
         return _ceil_div(self.n, self.grad_token_chunk)
 
 
-def gradient_order(n: int, h: int, v: int, x_dtype: np.dtype, w_dtype: np.dtype) -> GradientOrder:
+def gradient_order(n: int, h: int, v: int, x_dtype: DTypeLike, w_dtype: DTypeLike) -> GradientOrder:
     """``"tokens_outer"`` unless its float32 ``dw`` accumulator costs more than vocab outer's ``dx`` one
     by over :data:`FUSED_ALLOWANCE_BYTES`.
 
@@ -159,8 +160,8 @@ def plan_chunks(
     v: int,
     block_sizes: BlockSizes | None = None,
     *,
-    x_dtype: np.dtype | type = np.float32,
-    w_dtype: np.dtype | type = np.float32,
+    x_dtype: DTypeLike = np.float32,
+    w_dtype: DTypeLike = np.float32,
     order: GradientOrder | None = None,
     budget_bytes: int | None = None,
     grad_budget_bytes: int | None = None,

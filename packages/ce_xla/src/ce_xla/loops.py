@@ -9,12 +9,10 @@ twice would be wrong (sums and accumulated gradients; per-row results are simply
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-Carry = TypeVar("Carry")
 
 
 def chunk_start(index: jax.Array | int, chunk: int, size: int) -> tuple[jax.Array | int, jax.Array | int | None]:
@@ -28,7 +26,7 @@ def chunk_start(index: jax.Array | int, chunk: int, size: int) -> tuple[jax.Arra
     return jnp.minimum(first_new, size - chunk), first_new
 
 
-def loop(count: int, body: Callable[[Any, Carry], Carry], carry: Carry) -> Carry:
+def loop[Carry](count: int, body: Callable[[Any, Carry], Carry], carry: Carry) -> Carry:
     """``fori_loop(0, count, body, carry)``, or a plain call with index 0 when there is one chunk."""
     if count == 1:
         return body(0, carry)

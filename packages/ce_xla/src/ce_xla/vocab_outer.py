@@ -58,8 +58,8 @@ def row_stats_grads(
             x_chunk = piece(x)
             z = tiles.logits(x_chunk, w_slice, cap, dtype)
             owned = _owned(cols_owned, row_start, first_row, rows)
-            delta = tiles.logit_cotangent(z, jax.tree.map(piece, stats), jax.tree.map(piece, cotangent), piece(labels), cols, owned,
-                                          cap).astype(product_dtype)
+            delta = tiles.logit_cotangent(z, jax.tree.map(piece, stats), jax.tree.map(piece, cotangent),
+                                          piece(labels), cols, owned, cap).astype(product_dtype)
             dx_rows = piece(dx) + jax.lax.dot_general(delta, w_product, _CONTRACT_COLS,
                                                       preferred_element_type=jnp.float32)
             dw_slice = dw_slice + jax.lax.dot_general(x_chunk.astype(product_dtype), delta, _CONTRACT_ROWS,
