@@ -31,7 +31,7 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ce_core.placement import SpecEntry, axes_of, spec_entries
+from ce_core.placement import SpecEntry, axes_of, spec_entries, without_trivial_axes
 from ce_core.shard_ops import ShardAxes, ShardFn
 
 
@@ -114,14 +114,14 @@ def _token_spec(sharding, lead_ndim: int) -> tuple[SpecEntry, ...]:
     spec = getattr(sharding, "spec", None)
     if spec is None:  # not expressible on the mesh: keep the tokens whole
         return (None,) * lead_ndim
-    return spec_entries(spec, lead_ndim + 1)[:lead_ndim]
+    return tuple(without_trivial_axes(e, sharding.mesh) for e in spec_entries(spec, lead_ndim + 1)[:lead_ndim])
 
 
 def _vocab_axes(sharding, token_axes: tuple[str, ...], vocab: int, mesh) -> tuple[str, ...]:
     spec = getattr(sharding, "spec", None)
     if spec is None:
         return ()
-    axes = tuple(a for a in axes_of(spec_entries(spec, 2)[1]) if a not in token_axes)
+    axes = tuple(a for a in axes_of(without_trivial_axes(spec_entries(spec, 2)[1], mesh)) if a not in token_axes)
     shards = math.prod(mesh.shape[a] for a in axes)
     if vocab % shards:
         warnings.warn(

@@ -148,11 +148,17 @@ def find_placement(x: jax.Array, labels: jax.Array, w: jax.Array, vocab_axis_nam
 def explicit_placement(mesh: AbstractMesh, x: jax.Array, w: jax.Array) -> Placement:
     """Tokens split as ``x``'s type says; V split over ``w``'s column axes that do not split tokens."""
     x_entries = spec_entries(jax.typeof(x).sharding.spec, x.ndim)
-    token_spec = x_entries[:-1]
+    token_spec = tuple(without_trivial_axes(entry, mesh) for entry in x_entries[:-1])
     tokens = {a for entry in token_spec for a in axes_of(entry)}
     w_entries = spec_entries(jax.typeof(w).sharding.spec, 2)
-    vocab = tuple(a for a in axes_of(w_entries[1]) if a not in tokens)
+    vocab = tuple(a for a in axes_of(without_trivial_axes(w_entries[1], mesh)) if a not in tokens)
     return Placement("shard_map", mesh=mesh, token_spec=token_spec, vocab_axes=vocab)
+
+
+def without_trivial_axes(entry: SpecEntry, mesh: AnyMesh) -> SpecEntry:
+    """``entry`` without mesh axes of size 1: splitting over one changes no data, but inside
+    ``shard_map`` it types values as varying over it, which then costs a (trivial) ``psum``."""
+    return _entry(tuple(a for a in axes_of(entry) if mesh.shape[a] > 1))
 
 
 def _check_compilable_here(mesh: AbstractMesh) -> None:

@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from ce_core import validation
 from ce_core.loss import loss_with_placement
-from ce_core.placement import Placement, typed_mesh
+from ce_core.placement import Placement, axes_of, typed_mesh, without_trivial_axes
 
 
 def sharded_linear_cross_entropy(
@@ -76,9 +76,10 @@ def sharded_linear_cross_entropy(
     y = _pad(labels.reshape(-1), padded, ignore_index)
     flat_weights = None if weights is None else _pad(weights.reshape(-1), padded, 0)
 
-    token_entry = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
-    placement = Placement("shard_map", mesh=_mesh_for(mesh, x, w), token_spec=(token_entry,),
-                          vocab_axes=(vocab_axis,) if vocab_axis is not None else ())
+    run_mesh = _mesh_for(mesh, x, w)
+    token_entry = without_trivial_axes(batch_axes, run_mesh)
+    vocab_axes = axes_of(without_trivial_axes(vocab_axis, run_mesh))
+    placement = Placement("shard_map", mesh=run_mesh, token_spec=(token_entry,), vocab_axes=vocab_axes)
     loss, lse = loss_with_placement(x2d, y, w, placement, reduction=reduction, weights=flat_weights,
                                     ignore_index=ignore_index, return_lse=return_lse, **options)
     if reduction == "none":
