@@ -183,3 +183,15 @@ def test_report_subcommand_rerenders_json(tmp_path: Path, capsys: pytest.Capture
     out = capsys.readouterr().out
     assert out.startswith("| backend |") and "| reference |" in out
     assert (tmp_path / "again.png").stat().st_size > 1000
+
+
+def test_rl_objective_runs_and_matches_the_log_probs_oracle(tmp_path: Path) -> None:
+    json_path = tmp_path / "rl.json"
+    assert cli.main(["--shapes", "64x32x512", "--backends", "reference,xla,tokamax:xla", "--objective", "rl",
+                     "--repeats", "1", "--json", str(json_path), "--no-progress"]) == 0
+    records = {r["backend"]: r for r in json.loads(json_path.read_text())}
+    for name in ("reference", "xla"):
+        assert records[name]["status"] == "ok" and records[name]["reduction"] == "rl"
+        assert records[name]["max_rel_err"] < 1e-5, records[name]
+    assert records["tokamax:xla"]["status"] == "unsupported"
+    assert "log-probability" in records["tokamax:xla"]["reason"]

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from ce_core.testing import max_rel_error, oracle
+from ce_core.testing import max_rel_error
 
 from ce_bench.memory import gib, oracle_bytes
 
@@ -49,11 +49,6 @@ def oracle_skip_reason(n: int, h: int, v: int, *, max_elements: int, budget_byte
     if budget_bytes is not None and need > budget_bytes:
         return f"error not measured: the float64 oracle needs {gib(need)}, budget {gib(budget_bytes)}"
     return None
-
-
-def expected_outputs(x: np.ndarray, labels: np.ndarray, w: np.ndarray, reduction: str) -> dict[str, np.ndarray]:
-    """The oracle's loss and gradients for ``reduction`` (gradient of the sum for ``"none"``)."""
-    return oracle(np.asarray(x, np.float32), labels, np.asarray(w, np.float32), reduction=reduction)
 
 
 def compare(outputs: Any, expected: dict[str, np.ndarray]) -> Errors:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ce_bench import presets
+from ce_bench import objectives, presets
 from ce_bench.memory import GIB
 
 if TYPE_CHECKING:
@@ -40,8 +40,10 @@ def _common(parser: argparse.ArgumentParser, *, default_dtype: str, default_shap
     parser.add_argument("--tokens", type=int, default=None, metavar="N", help="override N of every preset")
     parser.add_argument("--dtype", default=default_dtype, help=f"float32, bfloat16, float16; comma-separated "
                                                                f"for several (default: {default_dtype})")
-    parser.add_argument("--reduction", default="mean", choices=("mean", "sum", "none"),
-                        help="loss reduction (default: mean; 'none' differentiates the sum of per-token losses)")
+    parser.add_argument("--objective", "--reduction", dest="reduction", default="mean", choices=objectives.OBJECTIVES,
+                        help="what is differentiated: the loss with this reduction (mean, sum, none: the sum of "
+                             "per-token losses), or rl: per-token log-probs and entropies (linear_log_probs) through "
+                             f"mean(logp) + {objectives.RL_ENTROPY_WEIGHT} mean(entropy) (default: mean)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG comparing time and memory here")
     parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
@@ -142,7 +144,7 @@ def main_run(argv: Sequence[str]) -> int:
     budget = runner.budget_bytes(config.memory_budget_bytes)
     mode = "compile only" if args.compile_only else f"{args.repeats} interleaved rounds after {args.warmup} warm-up"
     print(f"ce-bench: {runner.device_description()}, jax {jax.__version__}; backends: {', '.join(names)}")
-    print(f"reduction={args.reduction}; {mode}; memory budget "
+    print(f"objective={args.reduction}; {mode}; memory budget "
           f"{'-' if budget is None else f'{budget / GIB:.1f} GiB'}\n", flush=True)
     start = time.perf_counter()
     records = runner.run(config, progress=not args.no_progress)

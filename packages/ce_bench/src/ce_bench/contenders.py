@@ -34,6 +34,8 @@ import jax.numpy as jnp
 
 import ce_core
 
+from ce_bench import objectives
+
 TOKAMAX_PREFIX = "tokamax:"
 TOKAMAX_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "chunked_xla", "mosaic_tpu")
 
@@ -65,8 +67,11 @@ class Contender:
         return self.name[len(TOKAMAX_PREFIX):]
 
     def loss_fn(self, reduction: str) -> LossFn:
-        """``loss(x, labels, w)`` with the given reduction (plain cross-entropy, no extras)."""
+        """``f(x, labels, w)``: the plain cross-entropy with ``reduction``, or the ``rl`` objective
+        (see :mod:`ce_bench.objectives`)."""
         if self.is_tokamax:
+            if reduction == "rl":
+                raise ce_core.UnsupportedError("tokamax has no per-token log-probability or entropy API")
             implementation = self.tokamax_implementation
             if implementation not in TOKAMAX_IMPLEMENTATIONS:
                 raise ValueError(f"unknown tokamax implementation {implementation!r}; "
@@ -79,12 +84,7 @@ class Contender:
 
             return tokamax_loss
 
-        name = self.name
-
-        def ce_core_loss(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
-            return ce_core.linear_cross_entropy(x, labels, w, reduction=reduction, implementation=name)
-
-        return ce_core_loss
+        return objectives.ce_core_objective(self.name, reduction)
 
     def programs(self, reduction: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``(fwd, fwd_bwd)``: ``fwd(x, labels, w) -> loss`` and

@@ -11,6 +11,9 @@ Sources of the model dimensions (hidden size H, vocabulary V of the LM head):
   (meta-llama/Meta-Llama-3-8B ``config.json``).
 - ``qwen3``: Qwen3-8B, ``hidden_size=4096``, ``vocab_size=151936``, untied LM head
   (Qwen/Qwen3-8B ``config.json``; every Qwen3 dense model shares the 151936 vocabulary).
+- ``rl-qwen2.5-1.5b``: one RL rollout of T=4096 tokens through Qwen2.5-1.5B's untied head
+  (``hidden_size=1536``, ``vocab_size=151936``; Qwen/Qwen2.5-1.5B ``config.json``), the shape of a
+  GRPO/PPO step's log-probabilities per device (``--objective rl``).
 - ``gemma3``: Gemma 3 4B, ``hidden_size=2560`` and the Gemma 3 tokenizer's 262144 entries
   (google/gemma-3 configs; the multimodal 4B/12B/27B checkpoints pad the embedding to 262208 rows
   for image tokens; Gemma 1 and 2 used 256000). Gemma 3 has no final-logit soft cap.
@@ -46,6 +49,8 @@ PRESETS: dict[str, Preset] = {
         Preset("llama3-8b", 8192, 4096, 128256, cpu_n=128, source="Llama 3 8B: H=4096, V=128256"),
         Preset("qwen3", 8192, 4096, 151936, cpu_n=128, source="Qwen3-8B: H=4096, V=151936"),
         Preset("gemma3", 8192, 2560, 262144, cpu_n=128, source="Gemma 3 4B: H=2560, V=262144"),
+        Preset("rl-qwen2.5-1.5b", 4096, 1536, 151936, cpu_n=512,
+               source="one RL sequence, T=4096, Qwen2.5-1.5B head: H=1536, V=151936"),
     )
 }
 

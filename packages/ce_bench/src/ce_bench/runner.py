@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ce_bench import accuracy, memory
+from ce_bench import accuracy, memory, objectives
 from ce_bench.contenders import Contender
 from ce_bench.floor import FLOOR_NAME, floor_bytes, floor_programs
 from ce_bench.presets import Shape
@@ -280,7 +280,7 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
     skip = accuracy.oracle_skip_reason(shape.n, shape.h, shape.v, max_elements=config.oracle_max_elements,
                                        budget_bytes=budget)
     if skip is None and runnable:
-        expected = accuracy.expected_outputs(np.asarray(x.astype(jnp.float32)), labels_host,
+        expected = objectives.expected_outputs(np.asarray(x.astype(jnp.float32)), labels_host,
                                              np.asarray(w.astype(jnp.float32)), config.reduction)
 
     contenders: dict[str, Callable[[], Any]] = {}
