@@ -195,3 +195,16 @@ def test_rl_objective_runs_and_matches_the_log_probs_oracle(tmp_path: Path) -> N
         assert records[name]["max_rel_err"] < 1e-5, records[name]
     assert records["tokamax:xla"]["status"] == "unsupported"
     assert "log-probability" in records["tokamax:xla"]["reason"]
+
+
+def test_sharding_on_a_tpu_topology_compiles_without_a_tpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")  # the subcommand sets it from the topology too
+    json_path = tmp_path / "topology.json"
+    assert cli.main(["sharding", "--topology", "v5p:2x2x1", "--backends", "pallas_tpu,xla", "--shapes", "256x256x1024",
+                     "--meshes", "2x2", "--calls", "explicit,auto", "--json", str(json_path)]) == 0
+    records = {(r["backend"], r["call"]): r for r in json.loads(json_path.read_text())}
+    assert all(r["devices"] == "v5p:2x2x1" for r in records.values())
+    for backend in ("pallas_tpu", "xla"):
+        assert records[backend, "explicit"]["status"] == "ok" and records[backend, "explicit"]["temp_bytes"] > 0
+        assert "UnsupportedError" in records[backend, "auto"]["status"]  # deviceless automatic sharding, said early

@@ -207,6 +207,9 @@ def main_sharding(argv: Sequence[str]) -> int:
     parser.add_argument("--calls", default="wrapper",
                         help="comma-separated ways of calling the loss: wrapper (sharded_linear_cross_entropy), "
                              "explicit (plain call, Explicit mesh axes), auto (plain call, Auto axes / GSPMD)")
+    parser.add_argument("--topology", default=None, metavar="NAME",
+                        help="compile for the devices of a deviceless TPU topology such as v5p:2x2x1 instead of "
+                             "simulated CPU devices (libtpu; compile only)")
     parser.add_argument("--time", type=int, default=0, metavar="REPEATS",
                         help="also run each compiled program REPEATS times on random inputs, interleaved "
                              "(0: compile only; the shapes must then fit this machine)")
@@ -224,13 +227,15 @@ def main_sharding(argv: Sequence[str]) -> int:
             raise ValueError(f"--calls must name some of {sharded_memory.CALLS}, got {args.calls!r}")
         if args.time < 0:
             raise ValueError(f"--time must be >= 0, got {args.time}")
+        if args.time and args.topology:
+            raise ValueError("--time runs the programs; a --topology has no devices to run them on")
     except ValueError as error:
         parser.error(str(error))
     sharded_memory.request_simulated_devices(max(sharded_memory.DEVICE_COUNT, *(d * m for d, m in meshes)))
     records = []
     for shape in shapes:
         records += sharded_memory.sweep([b.strip() for b in args.backends.split(",") if b.strip()],
-                                        shape.n, shape.h, shape.v, dtype.name, meshes, calls)
+                                        shape.n, shape.h, shape.v, dtype.name, meshes, calls, args.topology)
     if args.time:
         sharded_memory.time_calls(records, repeats=args.time)
     print(sharded_memory.format_table(records))

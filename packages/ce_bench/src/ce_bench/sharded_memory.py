@@ -9,7 +9,9 @@
 - ``auto``: the plain call on ``NamedSharding`` inputs of an Auto-axes mesh (GSPMD/Shardy).
 
 ``x`` is split over ``data`` and ``w`` over ``vocab`` on V. ``memory_analysis()`` of the SPMD program
-gives per-device sizes, so Llama-3-sized shapes compile here without running. With ``time`` the
+gives per-device sizes, so Llama-3-sized shapes compile here without running. With ``topology``
+(e.g. ``"v5p:2x2x1"``) the meshes are made of a deviceless TPU topology's devices instead, and the
+programs compiled by libtpu for that TPU (compile only; ``pallas_tpu`` then compiles its real kernels). With ``time`` the
 programs also run on random inputs, interleaved round-robin per mesh (:mod:`ce_bench.timing`);
 8 simulated devices share this machine's cores, so times compare calls, not hardware.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 DEVICE_COUNT = 8
@@ -33,15 +35,44 @@ def request_simulated_devices(count: int = DEVICE_COUNT) -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={count}".strip()
 
 
-def _program(backend: str, call: str, data: int, vocab: int) -> tuple[Any, Any, dict[str, Any]]:
-    """``(jitted value_and_grad, mesh context, shardings)`` of one way of calling the loss."""
+def mesh_devices(topology: str | None) -> list[Any]:
+    """The simulated CPU devices, or a deviceless TPU topology's."""
     import jax
-    from ce_core import linear_cross_entropy, sharded_linear_cross_entropy
+
+    if topology is None:
+        return jax.devices("cpu")
+    from ce_pallas_tpu.aot import topology_devices
+
+    return topology_devices(topology)
+
+
+def _compile_context(topology: str | None, mesh: Any) -> contextlib.ExitStack:
+    """A fresh context for lowering or running one program: the pallas_tpu target of ``topology``
+    (while compiling for it), and ``jax.set_mesh(mesh)`` when ``mesh`` has Explicit axes."""
+    import jax
+
+    stack = contextlib.ExitStack()
+    if topology is not None:
+        from ce_pallas_tpu.target import normalize_generation, targeting
+
+        stack.enter_context(targeting(normalize_generation(topology.split(":")[0])))
+    if mesh.abstract_mesh.explicit_axes:
+        stack.enter_context(jax.set_mesh(mesh))
+    return stack
+
+
+def _program(backend: str, call: str, data: int, vocab: int, topology: str | None = None
+             ) -> tuple[Any, Callable[[], contextlib.ExitStack], dict[str, Any]]:
+    """``(jitted value_and_grad, context factory, shardings)`` of one way of calling the loss."""
+    import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    devices = jax.devices("cpu")
+    from ce_core import linear_cross_entropy, sharded_linear_cross_entropy
+
+    devices = mesh_devices(topology)
     if len(devices) < data * vocab:
-        raise RuntimeError(f"need {data * vocab} CPU devices, JAX has {len(devices)}; call request_simulated_devices() first")
+        raise RuntimeError(f"need {data * vocab} devices, have {len(devices)}"
+                           + ("" if topology else "; call request_simulated_devices() first"))
     axis_type = AxisType.Explicit if call == "explicit" else AxisType.Auto
     mesh = jax.make_mesh((data, vocab), ("data", "vocab"), axis_types=(axis_type,) * 2, devices=devices[: data * vocab])
     vocab_axis = "vocab" if vocab > 1 else None
@@ -56,26 +87,27 @@ def _program(backend: str, call: str, data: int, vocab: int) -> tuple[Any, Any, 
         raise ValueError(f"unknown call {call!r}; one of {CALLS}")
     shardings = dict(x=NamedSharding(mesh, PartitionSpec("data", None)), labels=NamedSharding(mesh, PartitionSpec("data")),
                      w=NamedSharding(mesh, PartitionSpec(None, vocab_axis)))
-    context = jax.set_mesh(mesh) if call == "explicit" else contextlib.nullcontext()
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2))), context, shardings
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2))), lambda: _compile_context(topology, mesh), shardings
 
 
 def sharded_temp_bytes(
-    backend: str, n: int, h: int, v: int, dtype: str, data: int, vocab: int, call: str = "wrapper"
+    backend: str, n: int, h: int, v: int, dtype: str, data: int, vocab: int, call: str = "wrapper",
+    topology: str | None = None,
 ) -> dict[str, Any]:
     """Compile fwd+bwd on a ``data x vocab`` mesh; per-device temp and argument bytes, or the error."""
     import jax
     import jax.numpy as jnp
 
-    record: dict[str, Any] = dict(backend=backend, call=call, n=n, h=h, v=v, dtype=dtype, mesh=f"{data}x{vocab}")
+    record: dict[str, Any] = dict(backend=backend, call=call, n=n, h=h, v=v, dtype=dtype, mesh=f"{data}x{vocab}",
+                                  devices=topology or "cpu")
     try:
-        step, context, shardings = _program(backend, call, data, vocab)
+        step, context, shardings = _program(backend, call, data, vocab, topology)
         args = (jax.ShapeDtypeStruct((n, h), jnp.dtype(dtype), sharding=shardings["x"]),
                 jax.ShapeDtypeStruct((n,), jnp.int32, sharding=shardings["labels"]),
                 jax.ShapeDtypeStruct((h, v), jnp.dtype(dtype), sharding=shardings["w"]))
-        with context:
+        with context():
             compiled = step.lower(*args).compile()
-    except Exception as error:  # noqa: BLE001 - reported in the table, the sweep goes on
+    except Exception as error:
         record.update(status=f"error: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
         return record
     analysis = compiled.memory_analysis()
@@ -105,12 +137,12 @@ def time_calls(records: list[dict[str, Any]], *, repeats: int, seed: int = 0) ->
         contenders = {}
         for record in group:
             step, context, shardings = _program(record["backend"], record["call"], data, vocab)
-            with context:
+            with context():
                 args = (jax.device_put(jnp.asarray(x, dtype), shardings["x"]), jax.device_put(labels, shardings["labels"]),
                         jax.device_put(jnp.asarray(w, dtype), shardings["w"]))
 
             def run(step=step, context=context, args=args):
-                with context:
+                with context():
                     return step(*args)
 
             contenders[f"{record['backend']}/{record['call']}"] = run
@@ -124,9 +156,10 @@ def time_calls(records: list[dict[str, Any]], *, repeats: int, seed: int = 0) ->
 
 def sweep(backends: Sequence[str], n: int, h: int, v: int, dtype: str,
           meshes: Sequence[tuple[int, int]] = DEFAULT_MESHES,
-          calls: Sequence[str] = ("wrapper",)) -> list[dict[str, Any]]:
+          calls: Sequence[str] = ("wrapper",), topology: str | None = None) -> list[dict[str, Any]]:
     """:func:`sharded_temp_bytes` for every backend, call and mesh."""
-    return [sharded_temp_bytes(b, n, h, v, dtype, d, m, c) for d, m in meshes for b in backends for c in calls]
+    return [sharded_temp_bytes(b, n, h, v, dtype, d, m, c, topology)
+            for d, m in meshes for b in backends for c in calls]
 
 
 def format_table(records: Sequence[dict[str, Any]]) -> str:

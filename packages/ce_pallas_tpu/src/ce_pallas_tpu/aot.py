@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ce_core
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ce_pallas_tpu.target import TARGET_ENV
+import ce_core
+from ce_pallas_tpu.target import targeting
 
 #: Generation -> (topology name of one chip, extra topology options). v4 and v5p are taken in
 #: their megacore configuration: one device with two TensorCores.
@@ -87,17 +87,9 @@ def topology_device(generation: str) -> Any:
 def compiling_for(generation: str) -> Iterator[Any]:
     """``CE_PALLAS_TPU_TARGET=generation`` and an abstract mesh over its device; yields the device."""
     device = topology_device(generation)
-    previous = os.environ.get(TARGET_ENV)
-    os.environ[TARGET_ENV] = generation
     mesh = jax.sharding.Mesh(np.array([device]), ("aot",))
-    try:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            yield device
-    finally:
-        if previous is None:
-            os.environ.pop(TARGET_ENV, None)
-        else:
-            os.environ[TARGET_ENV] = previous
+    with targeting(generation), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +141,7 @@ def compile_loss_and_grads(
             int(memory.output_size_in_bytes),
             time.perf_counter() - start,
         )
-    except Exception as error:  # noqa: BLE001 - reported, or re-raised below
+    except Exception as error:
         if raise_errors:
             raise
         return CompileResult(False, None, None, None, time.perf_counter() - start, _first_line(error))

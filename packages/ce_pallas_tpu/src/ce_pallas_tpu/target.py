@@ -26,8 +26,10 @@ device too when it has the target's generation (a v4 topology made without
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 
 import jax
 
@@ -218,3 +220,23 @@ def interpret_params(target: Target):
         out_of_bounds_reads="raise",
         num_cores_or_threads=target.num_cores,
     )
+
+
+@contextlib.contextmanager
+def targeting(generation: str | None) -> Iterator[None]:
+    """``CE_PALLAS_TPU_TARGET=generation`` inside the block, the previous value after (``None``: unchanged).
+
+    For compiling ahead of time for a generation the running machine does not have.
+    """
+    if generation is None:
+        yield
+        return
+    previous = os.environ.get(TARGET_ENV)
+    os.environ[TARGET_ENV] = generation
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(TARGET_ENV, None)
+        else:
+            os.environ[TARGET_ENV] = previous
