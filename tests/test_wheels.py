@@ -80,7 +80,7 @@ def test_wheel_and_sdist_metadata(dist, distribution):
     assert metadata["Description-Content-Type"] == "text/markdown"
     requires = metadata.get_all("Requires-Dist") or []
     if distribution != "ce-core":
-        assert "ce-core<0.2,>=0.1" in requires, requires
+        assert "ce-core<0.3,>=0.2" in requires, requires
     assert any(req.startswith("jax>=") for req in requires), requires
     declared = tomllib.loads((ROOT / "packages" / import_name / "pyproject.toml").read_text())
     for name, target in backends.items():

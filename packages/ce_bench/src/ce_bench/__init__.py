@@ -10,4 +10,4 @@ Modules: :mod:`~ce_bench.presets` (shapes), :mod:`~ce_bench.contenders` (what is
 (measurement), :mod:`~ce_bench.records`, :mod:`~ce_bench.report`, :mod:`~ce_bench.plot` (output).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -3,7 +3,16 @@
 Importing this package imports no backend; a backend is loaded the first time its name is used.
 """
 
-from ce_core.backend import CONTRACT_VERSION, Backend, CotangentFn, Problem, RowStats, StatsSpec, localize_cotangent
+from ce_core.backend import (
+    CONTRACT_VERSION,
+    SUPPORTED_CONTRACT_VERSIONS,
+    Backend,
+    CotangentFn,
+    Problem,
+    RowStats,
+    StatsSpec,
+    localize_cotangent,
+)
 from ce_core.block_sizes import BlockSizes
 from ce_core.errors import FallbackWarning, UnsupportedError
 from ce_core.log_probs import linear_log_probs
@@ -18,10 +27,11 @@ from ce_core.registry import (
 )
 from ce_core.sharding import sharded_linear_cross_entropy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CONTRACT_VERSION",
+    "SUPPORTED_CONTRACT_VERSIONS",
     "Backend",
     "BlockSizes",
     "CotangentFn",

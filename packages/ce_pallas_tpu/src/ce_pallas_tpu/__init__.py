@@ -12,7 +12,7 @@ from ce_pallas_tpu.block_sizes import TUNED, KernelTiles, Tiles, shape_bucket
 from ce_pallas_tpu.ops import describe_plan, make_plan, row_stats
 from ce_pallas_tpu.target import Target, current_target
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "TUNED",

@@ -6,6 +6,6 @@ is the simplest correct implementation and the memory baseline the streaming bac
 
 from ce_reference.backend import ReferenceBackend, make_backend, row_stats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["ReferenceBackend", "make_backend", "row_stats"]

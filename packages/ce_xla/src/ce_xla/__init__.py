@@ -12,6 +12,6 @@ and chunk rule are documented in :mod:`ce_xla.chunking`, the per-platform budget
 from ce_xla.backend import XlaBackend, make_backend
 from ce_xla.chunking import LOGITS_BUDGET_BYTES, ChunkPlan, gradient_order, plan_chunks
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["LOGITS_BUDGET_BYTES", "ChunkPlan", "XlaBackend", "gradient_order", "make_backend", "plan_chunks"]
