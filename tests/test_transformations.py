@@ -50,17 +50,19 @@ def test_hessian_vector_product_of_the_mean_loss(backend):
     assert max_rel_error(hvp(ours(backend, "mean")), expected) < 1e-4
 
 
-def test_vmap_matches_a_python_loop(backend_name):
+@SECOND_ORDER
+def test_vmap_matches_a_python_loop(backend):
     xs, labels, w = random_problem(2, (3, 10), 8, 32)
     per_example = jax.vmap(jax.value_and_grad(
-        lambda x, y: linear_cross_entropy(x, y, w, implementation=backend_name)))(xs, labels)
+        lambda x, y: linear_cross_entropy(x, y, w, implementation=backend)))(xs, labels)
     for k in range(3):
-        value, grad = jax.value_and_grad(lambda x: linear_cross_entropy(x, labels[k], w, implementation=backend_name))(xs[k])
+        value, grad = jax.value_and_grad(lambda x: linear_cross_entropy(x, labels[k], w, implementation=backend))(xs[k])
         assert max_rel_error(per_example[0][k], value) < 1e-6 and max_rel_error(per_example[1][k], grad) < 1e-6
 
 
-def test_checkpoint_and_donation(backend_name):
-    loss = ours(backend_name, "mean")
+@SECOND_ORDER
+def test_checkpoint_and_donation(backend):
+    loss = ours(backend, "mean")
     expected = jax.grad(loss)(X, W)
     assert max_rel_error(jax.jit(jax.grad(jax.checkpoint(loss)))(X, W), expected) < 1e-6
     donated = jax.jit(jax.grad(loss), donate_argnums=0)(jnp.array(X), W)
