@@ -64,8 +64,8 @@ def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = Tru
     total += 2 * _tile(b, 1, 4)  # labels
     total += 2 * stats * _tile(b, 1, 4)  # outputs
     total += (stats + 1) * _tile(b, 1, 4)  # running max, sum, label (, logit sum)
-    if blocked:
-        total += _tile(b, vb, 4)  # logit accumulator over hidden blocks
+    # Logit accumulator over hidden blocks, or the two slots of the software-pipelined vocab loop.
+    total += (1 if blocked else 2) * _tile(b, vb, 4)
     total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(b, vb, 4)
     return total
 
