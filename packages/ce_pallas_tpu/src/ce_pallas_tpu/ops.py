@@ -89,6 +89,7 @@ def make_plan(
         h=tiles.backward.h,
         vb=tiles.backward.v,
         num_cores=active_cores(target.num_cores, nv_backward),
+        w_buffers=tiling.backward_w_buffers(shape, tiles.backward, target),
         **common,
     )
     return Plan(n, h, v, forward, backward, tiles)

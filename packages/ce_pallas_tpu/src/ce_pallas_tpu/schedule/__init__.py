@@ -32,10 +32,25 @@ class ScheduleError(RuntimeError):
 def measure(generation: str, jobs: Sequence[Job], *, quiet: bool = False) -> list[KernelSchedule]:
     """The static schedule of each job's kernel on ``generation``, compiled in a child process.
 
-    Needs libtpu. One compile at a time, a few seconds each (4 small grids per job).
+    Needs libtpu. One compile at a time, a few seconds each (4 small grids per job). libtpu's
+    profiler aborts the process on some kernels that compile fine without it; such a job gets a
+    row with the check that failed, and the remaining jobs go on in a fresh process.
     """
     if generation not in SCHEDULE_CHIPS:
         raise ValueError(f"libtpu profiles {sorted(SCHEDULE_CHIPS)}, not {generation!r}")
+    results: list[KernelSchedule] = []
+    while len(results) < len(jobs):
+        done, failure = _run_worker(generation, jobs[len(results):], quiet)
+        results += done
+        if failure is not None:
+            job = jobs[len(results)]
+            results.append(KernelSchedule(generation, job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype,
+                                          error=failure))
+    return results
+
+
+def _run_worker(generation: str, jobs: Sequence[Job], quiet: bool) -> tuple[list[KernelSchedule], str | None]:
+    """The records of the jobs done, and why the process died before the next one (None: it did not)."""
     with tempfile.TemporaryDirectory(prefix="ce-schedule-") as tmp:
         root = Path(tmp)
         jobs_path, out_path = root / "jobs.json", root / "out.json"
@@ -48,13 +63,19 @@ def measure(generation: str, jobs: Sequence[Job], *, quiet: bool = False) -> lis
         command = [sys.executable, "-m", "ce_pallas_tpu.schedule.worker", generation, str(root / "profile"),
                    str(jobs_path), str(out_path)]
         tail: list[str] = []
+        reason = None
         with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as child:
             assert child.stderr is not None
             for line in child.stderr:  # progress lines start with "[i/n]"; keep the rest for errors
                 if line.startswith("[") and not quiet:
                     print(line, end="", file=sys.stderr, flush=True)
+                if "Check failed" in line and reason is None:
+                    reason = line.strip()
                 tail = (tail + [line.rstrip()])[-8:]
-        if child.returncode != 0 or not out_path.exists():
+        done = [KernelSchedule.from_json(item) for item in json.loads(out_path.read_text())] if out_path.exists() else []
+        if child.returncode == 0 and len(done) == len(jobs):
+            return done, None
+        if reason is None and not done and child.returncode > 0:  # not an abort: the worker itself is broken
             lines = "\n".join(tail)
             raise ScheduleError(f"schedule worker for {generation} exited with {child.returncode}:\n{lines}")
-        return [KernelSchedule.from_json(item) for item in json.loads(out_path.read_text())]
+        return done, f"libtpu aborted (signal {-child.returncode}): {(reason or tail[-1] if tail else '')[:300]}"
