@@ -45,6 +45,9 @@ class StatsSpec:
     logit_soft_cap: float | None = None
     with_sum: bool = False
     block_sizes: BlockSizes | None = None
+    #: MXU precision of the products, as jax names it: ``None`` (the backend's default),
+    #: ``"default"`` (bf16 operands, float32 accumulation), ``"high"`` or ``"highest"``.
+    precision: str | None = None
 
 
 #: How a call is run over devices, as :attr:`Problem.placement` tells a backend:

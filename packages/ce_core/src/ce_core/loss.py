@@ -61,6 +61,7 @@ def linear_cross_entropy(
     implementation: str | Sequence[str] | None = None,
     block_sizes: BlockSizes | None = None,
     vocab_axis_name: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Cross-entropy of the logits ``x @ w`` against ``labels``, never materialising the logits.
 
@@ -85,6 +86,9 @@ def linear_cross_entropy(
         this call, so with tokens also split, reduce with ``"sum"`` and ``psum`` yourself, or use
         :func:`ce_core.sharded_linear_cross_entropy`. Not needed outside ``shard_map``: there the
         call follows the shardings of its inputs (explicit or automatic), see the README.
+      precision: MXU precision of the products, as jax names it (``"default"``: bf16 operands with
+        float32 accumulation, ``"high"``, ``"highest"``, or a ``jax.lax.Precision``); ``None`` for
+        the backend's default. Honoured by ``pallas_tpu`` (see its README for its default).
 
     Returns:
       The float32 loss (a scalar, or the shape of ``labels`` for ``reduction="none"``), and the
@@ -109,6 +113,7 @@ def linear_cross_entropy(
         reduction=reduction, weights=weights, ignore_index=ignore_index, logsumexp_weight=logsumexp_weight,
         logit_soft_cap=logit_soft_cap, label_smoothing=label_smoothing, return_lse=return_lse,
         implementation=implementation, block_sizes=block_sizes,
+        precision=validation.check_precision(precision),
     )
 
 
@@ -127,6 +132,7 @@ def loss_with_placement(
     return_lse: bool,
     implementation: str | Sequence[str] | None,
     block_sizes: BlockSizes | None,
+    precision: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`linear_cross_entropy` on validated arrays, run as ``placement`` says."""
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
@@ -147,6 +153,7 @@ def loss_with_placement(
         logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
         with_sum=label_smoothing > 0,
         block_sizes=block_sizes,
+        precision=precision,
     )
     config = LossConfig(float(label_smoothing), float(logsumexp_weight), vocab)
     n_tokens = labels.size

@@ -75,6 +75,27 @@ def check_options(
             raise ValueError(f"logit_soft_cap must be None or > 0, got {logit_soft_cap}")
 
 
+#: ``precision`` spellings jax accepts, by the name ce_core passes to backends.
+_PRECISIONS = {
+    "default": "default", "bfloat16": "default", "fastest": "default",
+    "high": "high", "tensorfloat32": "high", "bfloat16_3x": "high",
+    "highest": "highest", "float32": "highest",
+}
+
+
+def check_precision(precision: object) -> str | None:
+    """``None``, or the name (``"default"``, ``"high"``, ``"highest"``) of a jax matmul precision."""
+    if precision is None:
+        return None
+    if isinstance(precision, jax.lax.Precision):
+        return _PRECISIONS[precision.name.lower()]
+    if isinstance(precision, str) and precision.lower() in _PRECISIONS:
+        return _PRECISIONS[precision.lower()]
+    raise ValueError(
+        f"precision must be None, a jax.lax.Precision or one of {sorted(_PRECISIONS)}, got {precision!r}"
+    )
+
+
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name} must be a Python number (static, not traced), got {value!r}")
