@@ -7,8 +7,9 @@ With cotangents ``(g_lse, g_label, g_sum)`` of the statistics, the logit cotange
 and ``dx = delta @ w.T``, ``dw = x.T @ delta``. Grid ``(cores, vocab blocks per core, token
 blocks)``, token blocks innermost:
 
-- ``CORE_PARALLEL`` leading axis: each TensorCore owns a contiguous range of vocab blocks, so each
-  ``dw`` column block belongs to exactly one core and no per-core copy of ``dw`` exists;
+- leading core axis (``parallel``: Mosaic spreads it over the TensorCores of the device the call is
+  compiled for, and loops over it on a one-core device): each core owns a contiguous range of vocab
+  blocks, so each ``dw`` column block belongs to exactly one core and no per-core copy of ``dw`` exists;
 - for one vocab block the ``[Hp, v]`` ``dw`` tile is accumulated in a float32 VMEM scratch over all
   token blocks and written to HBM once, in the dtype of ``w``;
 - ``dx`` needs every vocab block, so each core keeps a float32 partial ``[Np, Hp]`` in HBM: the
@@ -96,7 +97,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
                 col = block * vb + jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
                 w_ref[...] = jnp.where(col < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
 
-        z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...]), cfg.logit_soft_cap)
+        z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
         col = block * vb + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
         delta = g_lse_ref[...] * jnp.exp(z - lse_ref[...])
         delta = delta + jnp.where(col == y_ref[...], g_label_ref[...], 0.0)
@@ -112,8 +113,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
             valid = row_ok if valid is None else valid & row_ok
         if valid is not None:
             delta = jnp.where(valid, delta, 0.0)
-        both_bf16 = x_ref.dtype == jnp.bfloat16 and w_ref.dtype == jnp.bfloat16
-        d = delta.astype(jnp.bfloat16 if both_bf16 else jnp.float32)
+        d = delta.astype(common.mxu_dtype(cfg.precision))
 
         # dw tile: accumulated over token blocks in VMEM, written once. The accumulator is zeroed
         # first and the product added unconditionally, so the MXU result goes straight into it.
@@ -122,7 +122,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
             dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
 
         for chunk in chunks:
-            dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d)
+            dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
 
         @pl.when(i == nb - 1)
         def _():
@@ -134,7 +134,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
             read.wait()
 
         for chunk in chunks:
-            dx_buf[slot, :, chunk] += common.matmul_nt(d, w_ref[chunk, :])
+            dx_buf[slot, :, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
 
         @pl.when(i > 0)
         def _():
@@ -214,7 +214,9 @@ def backward_call(
         out_shape=out_shape,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=common.semantics(cfg.interpret, cfg.num_cores, ("core_parallel", "arbitrary", "arbitrary")),
+            # The core axis is "parallel": Mosaic spreads it over the TensorCores of the device the
+            # call is compiled for (both on v4/v5p megacore) and loops over it on a one-core device.
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes,
         ),
         interpret=cfg.interpret,

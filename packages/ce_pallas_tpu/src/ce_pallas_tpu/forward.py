@@ -2,8 +2,9 @@
 
 Grid ``(cores, token blocks, vocab blocks per core, hidden blocks)``:
 
-- the leading ``CORE_PARALLEL`` axis gives each TensorCore a contiguous half of the vocab blocks
-  (one core on v5e/v6e), so even a single token block keeps both cores of a v4/v5p busy; each core
+- the leading core axis (``parallel``, spread over the device's TensorCores by Mosaic) gives each
+  TensorCore a contiguous half of the vocab blocks (one core on v5e/v6e/TPU7x), so even a single
+  token block keeps both cores of a v4/v5p busy; each core
   writes its own partial statistics, which the wrapper merges (``logaddexp`` / sum, ``[N]``-sized);
 - token blocks are independent (``PARALLEL``); the vocab and hidden axes are reductions
   (``ARBITRARY``), hidden innermost.
@@ -104,7 +105,7 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         def step(cur: int, prev: int):
             # Block j-1 is never the ragged last one here: that one is the last of its core, and
             # is taken by the drain below or, on a core one block short, by the branch after it.
-            z_sc[cur] = common.matmul(x_ref[...], w_ref[...])
+            z_sc[cur] = common.matmul(x_ref[...], w_ref[...], cfg.precision)
             taken = _update(z_sc[prev], (block - 1) * cfg.vb, y_ref[...], read_state(), cfg, may_be_last=False)
             fresh = initial_state()
             write_state(tuple(None if t is None else jnp.where(j == 0, f, t) for t, f in zip(taken, fresh)))
@@ -133,7 +134,7 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         def accumulate():
             if cfg.hidden != cfg.hp:
                 pl.when(k == cfg.nh - 1)(lambda: common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp))
-            part = common.matmul(x_ref[...], w_ref[...])
+            part = common.matmul(x_ref[...], w_ref[...], cfg.precision)
 
             @pl.when(k == 0)
             def _():
@@ -197,9 +198,10 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         out_shape=out_shape,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=common.semantics(
-                cfg.interpret, cfg.num_cores, ("core_parallel", "parallel", "arbitrary", "arbitrary")
-            ),
+            # The core axis is "parallel", not "core_parallel": Mosaic spreads it over the TensorCores
+            # of the device the call is compiled for (both on v4/v5p megacore), and a one-core device
+            # (a v4 topology without megacore) loops over it instead of refusing to compile.
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes,
         ),
         interpret=cfg.interpret,

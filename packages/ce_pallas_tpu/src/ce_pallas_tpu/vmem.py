@@ -46,10 +46,13 @@ class Shape:
     w_bytes: int
     with_sum: bool
     capped: bool
+    mxu_bytes: int | None = None  # bytes per element of the products' operands (None: from the inputs)
 
     @property
     def mm_bytes(self) -> int:
-        """Bytes per element of the backward's matmul operands (delta is cast to bf16 or f32)."""
+        """Bytes per element of the matmul operands (bf16 at "default" precision, else f32)."""
+        if self.mxu_bytes is not None:
+            return self.mxu_bytes
         return 2 if self.x_bytes == 2 and self.w_bytes == 2 else 4
 
 

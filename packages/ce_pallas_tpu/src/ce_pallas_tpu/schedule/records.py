@@ -19,6 +19,7 @@ class Job:
     x_dtype: str = "bfloat16"
     w_dtype: str = "bfloat16"
     tiles: tuple[int, int | None, int] | None = None
+    w_buffers: int | None = None  # the backward's w/dw buffers (None: as the plan chooses)
     logit_soft_cap: float | None = None
     with_sum: bool = False
     precision: str | None = None
@@ -51,6 +52,7 @@ class KernelSchedule:
     x_dtype: str
     w_dtype: str
     tiles: tuple[int, int, int] | None = None  # b, h, v as the kernel uses them
+    w_buffers: int | None = None  # the backward's w/dw buffers
     grid: tuple[int, ...] | None = None  # the kernel's full grid
     cores: int | None = None
     steps_per_core: int | None = None

@@ -27,18 +27,14 @@ OP_NAMES = {"forward": "ce_pallas_tpu_forward", "backward": "ce_pallas_tpu_backw
 
 def _config(job: Job) -> Any:
     """The full-size kernel config of ``job`` on the current (AOT) target."""
-    import jax.numpy as jnp  # noqa: PLC0415
-    from ce_core import BlockSizes, StatsSpec  # noqa: PLC0415
+    from ce_core import StatsSpec  # noqa: PLC0415
 
-    from ce_pallas_tpu import ops  # noqa: PLC0415
+    from ce_pallas_tpu.schedule.programs import kernel_config  # noqa: PLC0415
 
     spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum)
     if job.precision is not None:
         spec = dataclasses.replace(spec, precision=job.precision)
-    if job.tiles is not None:
-        spec = dataclasses.replace(spec, block_sizes=BlockSizes(*job.tiles))
-    plan = ops.make_plan(job.n, job.h, job.v, jnp.dtype(job.x_dtype), jnp.dtype(job.w_dtype), spec)
-    return plan.forward if job.kernel == "forward" else plan.backward
+    return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers)
 
 
 def _compile(job: Job, cfg: Any, device: Any) -> None:
@@ -91,6 +87,7 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
     cycles_fit = BilinearFit.of({p: t.cycles for p, t in traces.items()})
     mxu = mxu_cycles(generation, job.kernel, cfg.b, cfg.h if job.kernel == "forward" else cfg.hp, cfg.vb)
     record.tiles = (cfg.b, cfg.h, cfg.vb)
+    record.w_buffers = getattr(cfg, "w_buffers", None)
     record.grid = ((cfg.num_cores, cfg.nb, cfg.nv_per_core, cfg.nh) if job.kernel == "forward"
                    else (cfg.num_cores, cfg.nv_per_core, cfg.nb))
     record.cores = cfg.num_cores
