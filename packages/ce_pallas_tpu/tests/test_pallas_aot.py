@@ -91,3 +91,32 @@ def test_loading_a_topology_prints_no_libtpu_complaints_on_a_machine_without_tpu
                             capture_output=True, text=True, env=env, timeout=300, check=True)
     assert "v5" in result.stdout.lower()
     assert "host bounds" not in result.stderr and "E0000" not in result.stderr, result.stderr
+
+
+def test_v4_without_megacore_compiles_for_the_device_it_is_lowered_for(monkeypatch):
+    """A v4 topology made without ``chip_config_name="megacore"`` has one core per device; the kernels'
+    core axis must then run as a loop on that core (the target still says v4, two cores)."""
+    import jax
+    from jax.experimental import topologies
+
+    import ce_core
+
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v4")
+    device = topologies.get_topology_desc(topology_name="v4:1x1x1", platform="tpu").devices[0]
+    assert device.num_cores == 1
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def loss(x, w, labels):
+        return ce_core.linear_cross_entropy(x, labels, w, implementation="pallas_tpu")
+
+    args = (jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((512, 32000), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((1024,), jnp.int32, sharding=sharding))
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+
+
+def test_interpret_mode_is_refused_when_compiling_for_a_deviceless_tpu(monkeypatch):
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
+    result = aot.compile_loss_and_grads("v5p", 256, 128, 1024, raise_errors=False)
+    assert not result.ok
+    assert "CE_PALLAS_TPU_INTERPRET" in result.error and "not attached" in result.error

@@ -107,3 +107,64 @@ def test_mixed_input_dtypes(interpret):
     grads = jax.grad(lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu"),
                      argnums=(0, 1))(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.float32))
     assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32
+
+
+def test_generic_interpreter_works_under_checkpoint(monkeypatch):
+    """The TPU interpreter orders its steps with io_callbacks, which jax.checkpoint cannot
+    differentiate (``Effects not supported in AD of checkpoint/remat``); the generic interpreter
+    (``CE_PALLAS_TPU_INTERPRET=plain``) has no effects and runs the same kernels under remat."""
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "plain")
+    x, labels, w = random_problem(17, (64,), 128, 256)
+
+    def loss(kind):
+        def fn(x_, w_):
+            return linear_cross_entropy(x_, labels, w_, implementation=kind, block_sizes=BlockSizes(32, None, 128))
+        return fn
+
+    grads = jax.jit(jax.grad(jax.checkpoint(loss("pallas_tpu")), argnums=(0, 1)))(x, w)
+    expected = jax.grad(loss("reference"), argnums=(0, 1))(x, w)
+    for ours, theirs in zip(grads, expected):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+def _float64_loss_and_grads(x, labels, w):
+    """Mean cross-entropy of ``x @ w`` and its gradients in float64 (labels all valid)."""
+    z = x @ w
+    top = z.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(z - top).sum(axis=1)) + top[:, 0]
+    rows = np.arange(len(labels))
+    loss = np.mean(lse - z[rows, labels])
+    p = np.exp(z - lse[:, None])
+    p[rows, labels] -= 1
+    p /= len(labels)
+    return loss, p @ w.T, x.T @ p
+
+
+@pytest.mark.parametrize("precision,dw_tolerance", [(None, 1e-2), ("highest", 1e-5)])
+def test_precision_with_bf16_activations_and_f32_weights(interpret, precision, dw_tolerance):
+    """By default bf16 x with f32 w runs bf16 MXU passes (w rounded to bf16 in VMEM, float32
+    accumulation): dw is then as exact as bf16 operands allow; "highest" keeps float32 products."""
+    interpret("v5e")
+    x, labels, w = random_problem(18, (128,), 256, 640, ignore_fraction=0.0)
+    x = jnp.asarray(x, jnp.bfloat16)
+    w = jnp.asarray(w, jnp.float32)
+
+    def loss_fn(x_, w_):
+        return linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", precision=precision,
+                                    block_sizes=BlockSizes(64, None, 256))
+
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(x, w)
+    want_loss, want_dx, want_dw = _float64_loss_and_grads(np.asarray(x, np.float64), np.asarray(labels),
+                                                          np.asarray(w, np.float64))
+    assert abs(float(loss) - want_loss) <= 1e-4 * abs(want_loss)
+    assert np.max(np.abs(np.asarray(dx, np.float64) - want_dx)) <= 1e-2 * np.max(np.abs(want_dx))  # dx is bf16
+    dw_error = np.max(np.abs(np.asarray(dw, np.float64) - want_dw)) / np.max(np.abs(want_dw))
+    assert dw_error <= dw_tolerance
+    if precision is None:
+        assert dw_error > 1e-5  # really bf16 passes, not float32 ones
+
+
+def test_unknown_precision_is_refused(interpret):
+    x, labels, w = random_problem(19, (8,), 16, 40)
+    with pytest.raises(ValueError, match="precision"):
+        linear_cross_entropy(x, labels, w, implementation="pallas_tpu", precision="fp8")

@@ -4,6 +4,7 @@ print the table, write JSON and a PNG.
     ce-bench [--backends a,b] [--shapes small,llama3-8b,NxHxV] [--dtype float32] [--reduction mean]
              [--repeats 5] [--json PATH] [--plot PATH] [--out DIR] [--compile-only] ...
     ce-bench aot --target v4|v5e|v5p|v6e [--shapes ...] [--dtype bfloat16] ...
+    ce-bench schedule --target v5e|v5p|v6e|tpu7x [--shapes ...] [--kernels forward,backward] ...
     ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8] [--calls wrapper,explicit,auto] [--time REPEATS]
     ce-bench report RESULTS.json [...] [--plot PATH] [--format markdown]
     ce-bench list
@@ -190,6 +191,65 @@ def main_aot(argv: Sequence[str]) -> int:
     return 0
 
 
+def schedule_parser() -> argparse.ArgumentParser:
+    """The parser of ``ce-bench schedule``."""
+    from ce_bench.schedule import DEFAULT_SCHEDULE_SHAPES, KERNELS, SCHEDULE_TARGETS  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog="ce-bench schedule",
+        description="Static schedule of the pallas_tpu kernels from libtpu's compiler (no TPU needed): per grid "
+                    "step, the estimated cycles and bundles against the fewest cycles the step's matmuls need on "
+                    "the generation's MXUs, and the step's HBM time against its MXU time.")
+    parser.add_argument("--target", required=True, choices=SCHEDULE_TARGETS, help="TPU generation")
+    parser.add_argument("--shapes", default=None, metavar="S,T",
+                        help=f"presets or NxHxV at full size (default: {','.join(DEFAULT_SCHEDULE_SHAPES)})")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of x (and of w unless --w-dtype)")
+    parser.add_argument("--w-dtype", default=None, help="dtype of w (default: --dtype)")
+    parser.add_argument("--precision", default=None, choices=("default", "highest"),
+                        help="MXU precision of the kernels' products (default: the backend's default)")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated: forward, backward")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
+    parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+def main_schedule(argv: Sequence[str]) -> int:
+    """``ce-bench schedule --target ...``."""
+    from ce_bench import schedule  # noqa: PLC0415
+
+    parser = schedule_parser()
+    args = parser.parse_args(argv)
+    try:
+        shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False, default=schedule.DEFAULT_SCHEDULE_SHAPES)
+        x_dtype = presets.parse_dtypes(args.dtype)[0].name
+        w_dtype = presets.parse_dtypes(args.w_dtype)[0].name if args.w_dtype else x_dtype
+        kernels = [kernel.strip() for kernel in args.kernels.split(",") if kernel.strip()]
+        if not kernels or set(kernels) - set(schedule.KERNELS):
+            raise ValueError(f"--kernels takes {', '.join(schedule.KERNELS)}, got {args.kernels!r}")
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"ce-bench schedule: libtpu's static schedule for TPU {args.target}, no TPU present", flush=True)
+    start = time.perf_counter()
+    try:
+        records = schedule.run_schedule(args.target, shapes, x_dtype, kernels, w_dtype=w_dtype,
+                                        precision=args.precision, quiet=args.quiet)
+    except schedule.ScheduleUnavailableError as error:
+        print(f"ce-bench schedule: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(schedule.schedule_table(records, args.format))
+    if args.json:
+        import json  # noqa: PLC0415
+
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+        print(f"\nJSON: {path}")
+    print(f"\n{len(records)} rows in {time.perf_counter() - start:.0f} s")
+    return 0 if not any(record.get("error") for record in records) else 2
+
+
 def main_sharding(argv: Sequence[str]) -> int:
     """``ce-bench sharding``: per-device temporary memory of the sharded loss on simulated CPU meshes
     (:mod:`ce_bench.sharded_memory`; compile only)."""
@@ -292,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return main_aot(argv[1:])
     if argv and argv[0] == "list":
         return main_list()
+    if argv and argv[0] == "schedule":
+        return main_schedule(argv[1:])
     if argv and argv[0] == "sharding":
         return main_sharding(argv[1:])
     if argv and argv[0] == "report":

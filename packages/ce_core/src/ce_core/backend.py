@@ -64,6 +64,9 @@ class StatsSpec:
     def n_stats(self) -> int:
         """How many statistics a row has under this spec (lse and label, plus the optional ones)."""
         return 2 + self.with_sum + self.with_expected
+    #: MXU precision of the products, as jax names it: ``None`` (the backend's default),
+    #: ``"default"`` (bf16 operands, float32 accumulation), ``"high"`` or ``"highest"``.
+    precision: str | None = None
 
 
 #: How a call is run over devices, as :attr:`Problem.placement` tells a backend:

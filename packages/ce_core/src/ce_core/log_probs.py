@@ -36,6 +36,7 @@ def linear_log_probs(
     implementation: str | Sequence[str] | None = None,
     block_sizes: BlockSizes | None = None,
     vocab_axis_name: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probability of each label under ``softmax(cap(x @ w) / temperature)``, never materialising the logits.
 
@@ -49,7 +50,7 @@ def linear_log_probs(
         statistic; off by default so plain log-probabilities pay nothing for it).
       ignore_index: label of tokens that count for nothing: their ``logp`` and entropy are 0, and
         they receive no gradient.
-      implementation, block_sizes, vocab_axis_name: as for :func:`ce_core.linear_cross_entropy`;
+      implementation, block_sizes, vocab_axis_name, precision: as for :func:`ce_core.linear_cross_entropy`;
         the call follows the shardings of its inputs the same way.
 
     Returns:
@@ -76,7 +77,7 @@ def linear_log_probs(
     call = prepare(x, labels, w, find_placement(x, labels, w, vocab_axis_name), weights=None,
                    ignore_index=ignore_index, logit_soft_cap=logit_soft_cap, temperature=temperature,
                    with_sum=False, with_expected=return_entropy, implementation=implementation,
-                   block_sizes=block_sizes)
+                   block_sizes=block_sizes, precision=validation.check_precision(precision))
     stats = call.row_stats()
     logp = jnp.where(call.counted, stats.label - stats.lse, 0.0) + call.nan_if_bad
     if not return_entropy:

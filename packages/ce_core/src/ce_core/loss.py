@@ -62,6 +62,7 @@ def linear_cross_entropy(
     implementation: str | Sequence[str] | None = None,
     block_sizes: BlockSizes | None = None,
     vocab_axis_name: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Cross-entropy of the logits ``x @ w`` against ``labels``, never materialising the logits.
 
@@ -87,6 +88,9 @@ def linear_cross_entropy(
         this call, so with tokens also split, reduce with ``"sum"`` and ``psum`` yourself, or use
         :func:`ce_core.sharded_linear_cross_entropy`. Not needed outside ``shard_map``: there the
         call follows the shardings of its inputs (explicit or automatic), see the README.
+      precision: MXU precision of the products, as jax names it (``"default"``: bf16 operands with
+        float32 accumulation, ``"high"``, ``"highest"``, or a ``jax.lax.Precision``); ``None`` for
+        the backend's default. Honoured by ``pallas_tpu`` (see its README for its default).
 
     Returns:
       The float32 loss (a scalar, or the shape of ``labels`` for ``reduction="none"``), and the
@@ -111,6 +115,7 @@ def linear_cross_entropy(
         reduction=reduction, weights=weights, ignore_index=ignore_index, logsumexp_weight=logsumexp_weight,
         logit_soft_cap=logit_soft_cap, label_smoothing=label_smoothing, temperature=temperature,
         return_lse=return_lse, implementation=implementation, block_sizes=block_sizes,
+        precision=validation.check_precision(precision),
     )
     return loss if lse is None else (loss, lse)
 
@@ -131,6 +136,7 @@ def loss_with_placement(
     return_lse: bool,
     implementation: str | Sequence[str] | None,
     block_sizes: BlockSizes | None,
+    precision: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(loss, lse)`` of :func:`linear_cross_entropy` on validated arrays, run as ``placement`` says.
 
@@ -138,7 +144,8 @@ def loss_with_placement(
     """
     call = prepare(x, labels, w, placement, weights=weights, ignore_index=ignore_index,
                    logit_soft_cap=logit_soft_cap, temperature=temperature, with_sum=label_smoothing > 0,
-                   with_expected=False, implementation=implementation, block_sizes=block_sizes)
+                   with_expected=False, implementation=implementation, block_sizes=block_sizes,
+                   precision=precision)
     config = LossConfig(float(label_smoothing), float(logsumexp_weight), call.vocab)
     token_weights = call.counted.astype(jnp.float32)
     if call.weights is not None:

@@ -69,6 +69,7 @@ def prepare(
     with_expected: bool,
     implementation: str | Sequence[str] | None,
     block_sizes: BlockSizes | None,
+    precision: str | None = None,
 ) -> PreparedCall:
     """A :class:`PreparedCall` from validated arguments."""
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
@@ -90,6 +91,7 @@ def prepare(
         with_sum=with_sum,
         block_sizes=block_sizes,
         with_expected=with_expected,
+        precision=precision,
     )
     problem = Problem(labels.size // placement.token_shards(), hidden, local_vocab // placement.vocab_shards(),
                       x.dtype, w.dtype, spec, placement.kind)

@@ -43,7 +43,8 @@ def sharded_linear_cross_entropy(
     sum over the global weight sum (0 when that is 0). ``mesh`` may have any axis types, and the
     inputs any sharding: they are resharded to this layout. ``dx`` comes back split over the tokens
     and ``dw`` over ``vocab_axis``. Other keyword arguments (``logsumexp_weight``,
-    ``logit_soft_cap``, ``label_smoothing``, ``temperature``, ``implementation``, ``block_sizes``) pass through.
+    ``logit_soft_cap``, ``label_smoothing``, ``temperature``, ``implementation``, ``block_sizes``, ``precision``) pass
+    through.
     Works on one host or many (after ``jax.distributed.initialize()``), with any backend.
     """
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
@@ -61,6 +62,7 @@ def sharded_linear_cross_entropy(
     validation.check_options(reduction, ignore_index, options["logsumexp_weight"], options["logit_soft_cap"],
                              options["label_smoothing"])
     validation.check_temperature(options["temperature"])
+    options["precision"] = validation.check_precision(options["precision"])
     hidden, vocab = w.shape
     if vocab_axis is not None and vocab % mesh.shape[vocab_axis]:
         raise ValueError(
@@ -90,7 +92,7 @@ def sharded_linear_cross_entropy(
 
 
 _DEFAULTS: dict[str, Any] = dict(logsumexp_weight=0.0, logit_soft_cap=None, label_smoothing=0.0, temperature=1.0,
-                                 implementation=None, block_sizes=None)
+                                 implementation=None, block_sizes=None, precision=None)
 _PASS_THROUGH = frozenset(_DEFAULTS)
 
 

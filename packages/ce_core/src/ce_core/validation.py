@@ -113,6 +113,27 @@ def check_vocab_axis_name(vocab_axis_name: object) -> None:
         raise ValueError(f"vocab_axis_name must be None or a mesh axis name (str), got {vocab_axis_name!r}")
 
 
+#: ``precision`` spellings jax accepts, by the name ce_core passes to backends.
+_PRECISIONS = {
+    "default": "default", "bfloat16": "default", "fastest": "default",
+    "high": "high", "tensorfloat32": "high", "bfloat16_3x": "high",
+    "highest": "highest", "float32": "highest",
+}
+
+
+def check_precision(precision: object) -> str | None:
+    """``None``, or the name (``"default"``, ``"high"``, ``"highest"``) of a jax matmul precision."""
+    if precision is None:
+        return None
+    if isinstance(precision, jax.lax.Precision):
+        return _PRECISIONS[precision.name.lower()]
+    if isinstance(precision, str) and precision.lower() in _PRECISIONS:
+        return _PRECISIONS[precision.lower()]
+    raise ValueError(
+        f"precision must be None, a jax.lax.Precision or one of {sorted(_PRECISIONS)}, got {precision!r}"
+    )
+
+
 def _check_number(name: str, value: object) -> float:
     """``value`` as a float, when it is a finite Python (or NumPy) number; else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):

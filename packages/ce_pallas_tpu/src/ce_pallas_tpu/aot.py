@@ -27,12 +27,14 @@ import ce_core
 from ce_pallas_tpu.target import targeting
 
 #: Generation -> (topology name of one chip, extra topology options). v4 and v5p are taken in
-#: their megacore configuration: one device with two TensorCores.
+#: their megacore configuration: one device with two TensorCores; TPU7x shows each TensorCore of a
+#: chip as its own device, and the first one is used.
 TOPOLOGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "v4": ("v4:1x1x1", {"chip_config_name": "megacore"}),
     "v5e": ("v5e:1x1", {}),
     "v5p": ("v5p:1x1x1", {}),
     "v6e": ("v6e:1x1", {}),
+    "tpu7x": ("tpu7x:1x1x1", {}),  # one chip, two devices of one TensorCore each
 }
 
 _devices: dict[str, Any] = {}

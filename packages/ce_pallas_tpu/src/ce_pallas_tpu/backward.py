@@ -7,8 +7,9 @@ With cotangents ``(g_lse, g_label, g_sum)`` of the statistics, the logit cotange
 and ``dx = delta @ w.T``, ``dw = x.T @ delta``. Grid ``(cores, vocab blocks per core, token
 blocks)``, token blocks innermost:
 
-- ``CORE_PARALLEL`` leading axis: each TensorCore owns a contiguous range of vocab blocks, so each
-  ``dw`` column block belongs to exactly one core and no per-core copy of ``dw`` exists;
+- leading core axis (``parallel``: Mosaic spreads it over the TensorCores of the device the call is
+  compiled for, and loops over it on a one-core device): each core owns a contiguous range of vocab
+  blocks, so each ``dw`` column block belongs to exactly one core and no per-core copy of ``dw`` exists;
 - for one vocab block the ``[Hp, v]`` ``dw`` tile is accumulated in a float32 VMEM scratch over all
   token blocks and written to HBM once, in the dtype of ``w``;
 - ``dx`` needs every vocab block, so each core keeps a float32 partial ``[Np, Hp]`` in HBM: the
@@ -25,6 +26,7 @@ poison ``dx``/``dw``), and ``delta`` is zeroed outside ``[0, N) x [0, V)``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,8 +37,17 @@ from jax.experimental.pallas import tpu as pltpu
 from ce_pallas_tpu import common
 
 
+@dataclasses.dataclass(frozen=True)
 class BackwardConfig(common.KernelConfig):
-    """Static shape and tiling of one backward call; ``h`` is the hidden chunk of the dx/dw updates."""
+    """Static shape and tiling of one backward call; ``h`` is the hidden chunk of the dx/dw updates.
+
+    ``w_buffers``: VMEM buffers of the ``w`` and ``dw`` blocks. They change once per vocab block, so
+    one buffer each is enough for correctness, but then the next block's ``w`` is fetched (and
+    the last ``dw`` written back) while the core waits; two let both overlap the steps around a
+    vocab-block change, where VMEM allows.
+    """
+
+    w_buffers: int = 1
 
 
 def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs, cfg: BackwardConfig):
@@ -44,7 +55,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
         g_sum_ref, *refs = refs
     else:
         g_sum_ref = None
-    dw_ref, dxp_hbm, dw_acc, dx_in, dx_out, sems = refs
+    dw_ref, dxp_hbm, dw_acc, dx_buf, sems = refs
 
     core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = core * cfg.nv_per_core + jj
@@ -53,13 +64,19 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
 
     def body():
         rows = pl.ds(pl.multiple_of(i * b, b), b)
-        read = pltpu.make_async_copy(dxp_hbm.at[core, rows], dx_in, sems.at[0])
-        write = pltpu.make_async_copy(dx_out, dxp_hbm.at[core, rows], sems.at[1])
-        previous_write = pltpu.make_async_copy(dx_out, dxp_hbm.at[core, pl.ds(0, b)], sems.at[1])
+        slot = i % 2  # dx rows of this token block: read into, accumulated in and written from here
+        read = pltpu.make_async_copy(dxp_hbm.at[core, rows], dx_buf.at[slot], sems.at[0])
+        write = pltpu.make_async_copy(dx_buf.at[slot], dxp_hbm.at[core, rows], sems.at[1])
+        previous_write = pltpu.make_async_copy(dx_buf.at[1 - slot], dxp_hbm.at[core, pl.ds(0, b)], sems.at[1])
 
+        # The slot's last write (two token blocks ago) was waited for in the previous step.
         @pl.when(jj > 0)
         def _():
             read.start()
+
+        @pl.when(jj == 0)
+        def _():
+            dx_buf[slot] = jnp.zeros(dx_buf.shape[1:], jnp.float32)
 
         # Garbage rows of x / columns of w in ragged last blocks are zeroed in their VMEM buffers:
         # they would otherwise meet a zero of delta in a product (0 * NaN = NaN).
@@ -80,7 +97,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
                 col = block * vb + jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
                 w_ref[...] = jnp.where(col < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
 
-        z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...]), cfg.logit_soft_cap)
+        z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
         col = block * vb + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
         delta = g_lse_ref[...] * jnp.exp(z - lse_ref[...])
         delta = delta + jnp.where(col == y_ref[...], g_label_ref[...], 0.0)
@@ -96,40 +113,32 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
             valid = row_ok if valid is None else valid & row_ok
         if valid is not None:
             delta = jnp.where(valid, delta, 0.0)
-        both_bf16 = x_ref.dtype == jnp.bfloat16 and w_ref.dtype == jnp.bfloat16
-        d = delta.astype(jnp.bfloat16 if both_bf16 else jnp.float32)
+        d = delta.astype(common.mxu_dtype(cfg.precision))
 
-        # dw tile: accumulated over token blocks in VMEM, written once.
+        # dw tile: accumulated over token blocks in VMEM, written once. The accumulator is zeroed
+        # first and the product added unconditionally, so the MXU result goes straight into it.
+        @pl.when(i == 0)
+        def _():
+            dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
+
         for chunk in chunks:
-            part = common.matmul_tn(x_ref[:, chunk], d)
-
-            @pl.when(i == 0)
-            def _():
-                dw_acc[chunk, :] = part
-
-            @pl.when(i > 0)
-            def _():
-                dw_acc[chunk, :] += part
+            dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
 
         @pl.when(i == nb - 1)
         def _():
             dw_ref[...] = dw_acc[...].astype(dw_ref.dtype)
 
-        # dx partial of this core: read-add-write in HBM.
-        @pl.when(i > 0)
-        def _():
-            previous_write.wait()
-
-        @pl.when(jj == 0)
-        def _():
-            for chunk in chunks:
-                dx_out[:, chunk] = common.matmul_nt(d, w_ref[chunk, :])
-
+        # dx partial of this core: read-add-write in HBM, the product added straight into the slot.
         @pl.when(jj > 0)
         def _():
             read.wait()
-            for chunk in chunks:
-                dx_out[:, chunk] = dx_in[:, chunk] + common.matmul_nt(d, w_ref[chunk, :])
+
+        for chunk in chunks:
+            dx_buf[slot, :, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
+
+        @pl.when(i > 0)
+        def _():
+            previous_write.wait()
 
         write.start()
 
@@ -166,13 +175,13 @@ def backward_call(
     def rows(c, j, i):
         return (i, 0)
 
-    # w and dw change once per vocab block (every nb steps): single buffers halve their VMEM.
+    # w and dw change once per vocab block (every nb steps); see BackwardConfig.w_buffers.
     # (Interpret mode ignores buffer counts.)
-    single = pl.Buffered(1)
+    w_buffers = pl.Buffered(cfg.w_buffers)
     column = pl.BlockSpec((cfg.b, 1), rows)
     in_specs = [
         pl.BlockSpec((cfg.b, cfg.hp), rows),
-        common.block_spec((cfg.hp, cfg.vb), w_block, single),
+        common.block_spec((cfg.hp, cfg.vb), w_block, w_buffers),
         column,
         column,
         column,
@@ -183,7 +192,7 @@ def backward_call(
         in_specs.append(column)
         operands.append(g_sum)
     out_specs = [
-        common.block_spec((cfg.hp, cfg.vb), w_block, single),
+        common.block_spec((cfg.hp, cfg.vb), w_block, w_buffers),
         pl.BlockSpec(memory_space=pl.ANY),
     ]
     axes = common.varying_axes(*operands)
@@ -194,8 +203,7 @@ def backward_call(
     ]
     scratch = [
         pltpu.VMEM((cfg.hp, cfg.vb), jnp.float32),  # dw accumulator
-        pltpu.VMEM((cfg.b, cfg.hp), jnp.float32),  # dx partial read back
-        pltpu.VMEM((cfg.b, cfg.hp), jnp.float32),  # dx partial being written
+        pltpu.VMEM((2, cfg.b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
         pltpu.SemaphoreType.DMA((2,)),
     ]
     dw, dx_partials = pl.pallas_call(
@@ -206,7 +214,9 @@ def backward_call(
         out_shape=out_shape,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=common.semantics(cfg.interpret, cfg.num_cores, ("core_parallel", "arbitrary", "arbitrary")),
+            # The core axis is "parallel": Mosaic spreads it over the TensorCores of the device the
+            # call is compiled for (both on v4/v5p megacore) and loops over it on a one-core device.
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes,
         ),
         interpret=cfg.interpret,

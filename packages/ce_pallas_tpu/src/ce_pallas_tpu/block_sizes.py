@@ -234,6 +234,12 @@ def tuned_tiles(shape: Shape, target: Target) -> Tiles:
     return _infer(shape, target, budget)
 
 
+def backward_w_buffers(shape: Shape, tiles: KernelTiles, target: Target) -> int:
+    """Two VMEM buffers for the backward's ``w`` and ``dw`` blocks where they fit the budget, else one."""
+    double = vmem.backward_bytes(shape, tiles.b, tiles.h, tiles.v, single_w=False)
+    return 2 if double <= vmem_budget(target) else 1
+
+
 def validate_explicit(block_sizes: BlockSizes, hp: int) -> None:
     """``ValueError`` (saying why) for explicit sizes the kernels can never use."""
     b, h, v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size

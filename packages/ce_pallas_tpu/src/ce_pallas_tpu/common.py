@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -28,6 +26,7 @@ class KernelConfig:
     with_sum: bool
     interpret: object  # False, or pltpu.InterpretParams
     vmem_limit_bytes: int | None
+    precision: str = "default"  # of the products: "default" (bf16 MXU passes) or "high"/"highest" (f32)
 
     @property
     def nb(self) -> int:
@@ -58,34 +57,44 @@ def soft_cap(raw: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array | 
     return cap * t, t
 
 
-def _operands(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, jax.lax.Precision | None]:
-    """Cast both operands to one dtype; float32 products use the full-precision MXU path."""
-    dtype = jnp.promote_types(a.dtype, b.dtype)
-    if dtype != jnp.bfloat16:
-        dtype = jnp.float32
-    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    return a.astype(dtype), b.astype(dtype), precision
+def resolve_precision(x_dtype, w_dtype, requested: str | None) -> str:
+    """The precision the products run at: bf16 inputs need one bf16 pass whatever is asked; otherwise
+    ``requested``, or by default that of the lower-precision input ("default" when either is bf16)."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(x_dtype) == bf16 and jnp.dtype(w_dtype) == bf16:
+        return "default"
+    if requested is not None:
+        return requested
+    return "default" if bf16 in (jnp.dtype(x_dtype), jnp.dtype(w_dtype)) else "highest"
 
 
-def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+def mxu_dtype(precision: str) -> jnp.dtype:
+    """The dtype both operands of a product are cast to."""
+    return jnp.dtype(jnp.bfloat16) if precision == "default" else jnp.dtype(jnp.float32)
+
+
+_LAX_PRECISION = {"default": None, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
+
+
+def _dot(a: jax.Array, b: jax.Array, dims, precision: str) -> jax.Array:
+    dtype = mxu_dtype(precision)
+    return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())),
+                               precision=_LAX_PRECISION[precision], preferred_element_type=jnp.float32)
+
+
+def matmul(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
     """``a @ b`` accumulated in float32."""
-    a, b, precision = _operands(a, b)
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+    return _dot(a, b, ((1,), (0,)), precision)
 
 
-def matmul_tn(a: jax.Array, b: jax.Array) -> jax.Array:
+def matmul_tn(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
     """``a.T @ b`` accumulated in float32 (contracts the leading dims)."""
-    a, b, precision = _operands(a, b)
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+    return _dot(a, b, ((0,), (0,)), precision)
 
 
-def matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+def matmul_nt(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
     """``a @ b.T`` accumulated in float32 (contracts the trailing dims)."""
-    a, b, precision = _operands(a, b)
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+    return _dot(a, b, ((1,), (1,)), precision)
 
 
 def zero_hidden_tail(x_ref, w_ref, hidden: int, hp: int) -> None:
@@ -134,14 +143,3 @@ def block_spec(block_shape: tuple[int, ...], index_map, buffering: pl.Buffered |
     if buffering is None:
         return pl.BlockSpec(block_shape, index_map)
     return pl.BlockSpec(block_shape, index_map, pipeline_mode=buffering)
-
-
-def semantics(interpret: object, num_cores: int, names: Sequence[str]) -> tuple[str, ...]:
-    """Grid dimension semantics of a kernel whose leading axis is ``core_parallel``.
-
-    Interpret mode only distributes ``parallel`` axes over its simulated cores, and Mosaic rejects a
-    ``core_parallel`` axis of size 1 on a two-core chip: both get ``parallel`` instead.
-    """
-    if interpret or num_cores == 1:
-        return tuple("parallel" if name == "core_parallel" else name for name in names)
-    return tuple(names)

@@ -17,6 +17,7 @@ from ce_core import BlockSizes, RowStats, StatsSpec
 
 from ce_pallas_tpu import block_sizes as tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
+from ce_pallas_tpu.common import mxu_dtype, resolve_precision
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
 from ce_pallas_tpu.vmem import Shape
@@ -45,6 +46,7 @@ def padded_hidden(h: int) -> int:
 
 
 def problem_shape(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec) -> Shape:
+    precision = resolve_precision(x_dtype, w_dtype, spec.precision)
     return Shape(
         n=n,
         hp=padded_hidden(h),
@@ -53,6 +55,7 @@ def problem_shape(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec) -> 
         w_bytes=jnp.dtype(w_dtype).itemsize,
         with_sum=spec.with_sum,
         capped=spec.logit_soft_cap is not None,
+        mxu_bytes=mxu_dtype(precision).itemsize,
     )
 
 
@@ -74,6 +77,7 @@ def make_plan(
         with_sum=spec.with_sum,
         interpret=interpret,
         vmem_limit_bytes=limit,
+        precision=resolve_precision(x_dtype, w_dtype, spec.precision),
     )
     nv_forward = -(-v // tiles.forward.v)
     nv_backward = -(-v // tiles.backward.v)
@@ -89,6 +93,7 @@ def make_plan(
         h=tiles.backward.h,
         vb=tiles.backward.v,
         num_cores=active_cores(target.num_cores, nv_backward),
+        w_buffers=tiling.backward_w_buffers(shape, tiles.backward, target),
         **common,
     )
     return Plan(n, h, v, forward, backward, tiles)

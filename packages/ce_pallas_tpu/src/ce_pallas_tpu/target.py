@@ -4,7 +4,8 @@ Everything here is read at call time, never at import time, so a test (or a user
 ahead-of-time compile) can set the environment after importing the package:
 
 ``CE_PALLAS_TPU_TARGET``
-    ``v4``, ``v5e``, ``v5p`` or ``v6e`` (``v5litepod``/``v6 lite`` spellings are accepted too). Sets
+    ``v4``, ``v5e``, ``v5p``, ``v6e`` or ``tpu7x`` (``v5litepod``/``v6 lite``/``v7x`` spellings are
+    accepted too). Sets
     the generation the block sizes are tuned for and the number of TensorCores the kernels split
     over. Needed for ahead-of-time compilation through libtpu's deviceless topologies, where the
     default device is the CPU. ``v4`` and ``v5p`` mean the megacore configuration (2 cores); make
@@ -65,6 +66,8 @@ CHIP_FACTS: dict[str, ChipFacts] = {
     "v5e": ChipFacts(1, 128 * _MIB, 16 * 1024 * _MIB, 197e12, 0.82e12),
     "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12),
     "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12),
+    # TPU7x (Ironwood): each TensorCore is a device of its own, with 64 MiB of VMEM and half the chip's HBM.
+    "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12),
     "default": ChipFacts(1, 16 * _MIB, 16 * 1024 * _MIB, 200e12, 0.8e12),
 }
 
@@ -84,6 +87,10 @@ _ALIASES = {
     "v6 lite": "v6e",
     "tpu v6 lite": "v6e",
     "tpu v6e": "v6e",
+    "tpu7x": "tpu7x",
+    "tpu 7x": "tpu7x",
+    "v7x": "tpu7x",
+    "tpu v7x": "tpu7x",
 }
 
 
@@ -166,12 +173,19 @@ def current_target() -> Target:
     """The target for a call made now (see the module docstring for the order of precedence).
 
     Raises:
-      ValueError: ``CE_PALLAS_TPU_TARGET`` names an unknown generation.
+      ValueError: ``CE_PALLAS_TPU_TARGET`` names an unknown generation, or interpret mode is on while
+        the call is compiled for a TPU that is not attached (a deviceless topology's device).
       RuntimeError: no TPU, no target and no interpret mode (callers check availability first).
     """
     interpret = interpret_mode()
     requested = target_requested()
     device = _tpu_device_facts()
+    if interpret and device is not None and not default_device_is_tpu():
+        raise ValueError(
+            f"{INTERPRET_ENV}={os.environ.get(INTERPRET_ENV)!r} while compiling for a TPU that is not attached "
+            "(a deviceless topology): the interpreter runs kernels on the host and cannot be compiled ahead of "
+            f"time for a TPU (libtpu crashes on it). Unset {INTERPRET_ENV} to compile the real kernels."
+        )
     if requested is not None:
         generation = normalize_generation(requested)
         if generation == "default" and requested.lower() != "default":

@@ -46,10 +46,13 @@ class Shape:
     w_bytes: int
     with_sum: bool
     capped: bool
+    mxu_bytes: int | None = None  # bytes per element of the products' operands (None: from the inputs)
 
     @property
     def mm_bytes(self) -> int:
-        """Bytes per element of the backward's matmul operands (delta is cast to bf16 or f32)."""
+        """Bytes per element of the matmul operands (bf16 at "default" precision, else f32)."""
+        if self.mxu_bytes is not None:
+            return self.mxu_bytes
         return 2 if self.x_bytes == 2 and self.w_bytes == 2 else 4
 
 
@@ -64,8 +67,8 @@ def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = Tru
     total += 2 * _tile(b, 1, 4)  # labels
     total += 2 * stats * _tile(b, 1, 4)  # outputs
     total += (stats + 1) * _tile(b, 1, 4)  # running max, sum, label (, logit sum)
-    if blocked:
-        total += _tile(b, vb, 4)  # logit accumulator over hidden blocks
+    # Logit accumulator over hidden blocks, or the two slots of the software-pipelined vocab loop.
+    total += (1 if blocked else 2) * _tile(b, vb, 4)
     total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(b, vb, 4)
     return total
 

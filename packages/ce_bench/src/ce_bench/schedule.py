@@ -1,0 +1,79 @@
+"""``ce-bench schedule``: the static schedule of the pallas_tpu kernels per grid step (no TPU needed).
+
+The measurement itself lives in :mod:`ce_pallas_tpu.schedule` (libtpu's estimated cycles at small
+grids, fitted to the full grid); this module runs it for a list of shapes and prints the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ce_bench.presets import Shape
+from ce_bench.report import _Notes, _render
+
+#: ``--target`` choices: the generations libtpu can walk a static profile for.
+SCHEDULE_TARGETS = ("v5e", "v5p", "v6e", "tpu7x")
+#: The shapes of issue 11: Llama-3 8B's head at 8k tokens, and a Qwen vocabulary at 32k tokens.
+DEFAULT_SCHEDULE_SHAPES = ("llama3-8b", "32768x2048x151936")
+KERNELS = ("forward", "backward")
+
+
+class ScheduleUnavailableError(RuntimeError):
+    """ce_pallas_tpu or libtpu is missing."""
+
+
+def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequence[str] = KERNELS,
+                 *, w_dtype: str | None = None, precision: str | None = None,
+                 quiet: bool = False) -> list[dict[str, Any]]:
+    """One record (a JSON object) per shape and kernel, in that order."""
+    try:
+        from ce_pallas_tpu import schedule  # noqa: PLC0415
+    except ImportError as error:
+        raise ScheduleUnavailableError(f"the schedule needs ce-pallas-tpu[tpu] ({error})") from error
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise ScheduleUnavailableError("the schedule needs libtpu: pip install 'ce-pallas-tpu[tpu]' (Linux x86-64)")
+    jobs = [schedule.Job(kernel, shape.n, shape.h, shape.v, x_dtype=dtype, w_dtype=w_dtype or dtype,
+                          precision=precision)
+            for shape in shapes for kernel in kernels]
+    records = [record.to_json() for record in schedule.measure(target, jobs, quiet=quiet)]
+    for record, shape in zip(records, [shape for shape in shapes for _ in kernels], strict=True):
+        record["shape"] = shape.label
+    return records
+
+
+def _tiles(record: dict[str, Any]) -> str:
+    return "-" if record["tiles"] is None else "/".join(str(t) for t in record["tiles"])
+
+
+def _dtypes(record: dict[str, Any]) -> str:
+    short = {"bfloat16": "bf16", "float32": "f32"}
+    x, w = (short.get(record[key], record[key]) for key in ("x_dtype", "w_dtype"))
+    return x if x == w else f"{x}/{w}"
+
+
+def _number(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def schedule_table(records: Sequence[dict[str, Any]], fmt: str = "text") -> str:
+    """Per kernel: tiles, grid, cycles and bundles per step, the MXU minimum, their ratio, HBM vs MXU time."""
+    notes = _Notes()
+    headers = ["target", "shape (N x H x V)", "x/w dtype", "kernel", "tiles b/h/v", "grid", "cycles/step",
+               "bundles/step", "MXU min", "ratio", "HBM us/step", "MXU us/step", "est. kernel ms"]
+    rows = []
+    for record in records:
+        if record.get("error"):
+            rows.append([record["generation"], record["shape"], _dtypes(record), record["kernel"], "-", "-",
+                         "failed" + notes.ref(record["error"]), *["-"] * 6])
+            continue
+        grid = "x".join(str(d) for d in record["grid"])
+        kernel_ms = max(record["kernel_us"], record["hbm_floor_us"]) / 1e3
+        rows.append([record["generation"], record["shape"], _dtypes(record), record["kernel"], _tiles(record), grid,
+                     _number(record["cycles_per_step"]), _number(record["bundles_per_step"]),
+                     _number(record["mxu_cycles_per_step"]), f"{record['ratio']:.3f}",
+                     _number(record["hbm_us_per_step"], 2), _number(record["mxu_us_per_step"], 2),
+                     _number(kernel_ms, 2)])
+    return _render(headers, rows, notes, fmt, right={6, 7, 8, 9, 10, 11, 12})

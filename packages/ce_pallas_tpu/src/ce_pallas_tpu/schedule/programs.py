@@ -1,0 +1,58 @@
+"""Each kernel alone, as a jit-able function of abstract operands (what the schedule compiles)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ce_pallas_tpu.backward import backward_call
+from ce_pallas_tpu.common import KernelConfig
+from ce_pallas_tpu.forward import forward_call
+
+
+def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
+                  tiles: tuple[int, int | None, int] | None = None, w_buffers: int | None = None) -> KernelConfig:
+    """The kernel's config for a problem on the current target, with ``tiles`` ``(b, h, v)`` if given.
+
+    Unlike explicit ``BlockSizes``, the tiles are not checked against the VMEM model (the
+    compile is the judge here), and they apply to this kernel only.
+    """
+    import dataclasses  # noqa: PLC0415
+
+    from ce_pallas_tpu import ops  # noqa: PLC0415
+    from ce_pallas_tpu.target import active_cores, current_target  # noqa: PLC0415
+
+    plan = ops.make_plan(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec)
+    cfg = plan.forward if kernel == "forward" else plan.backward
+    if tiles is not None:
+        b, h, vb = tiles
+        b, vb = min(b, n), min(vb, v)
+        cfg = dataclasses.replace(cfg, b=b, h=cfg.hp if h is None else h, vb=vb,
+                                  num_cores=active_cores(current_target().num_cores, -(-v // vb)))
+    if w_buffers is not None and kernel == "backward":
+        cfg = dataclasses.replace(cfg, w_buffers=w_buffers)
+    return cfg
+
+
+def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str,
+                   sharding: jax.sharding.Sharding) -> tuple[Callable[..., Any], tuple[jax.ShapeDtypeStruct, ...]]:
+    """``(fn, operands)``: ``jax.jit(fn).lower(*operands)`` compiles just that kernel for ``cfg``."""
+
+    def operand(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    x = operand((cfg.n, cfg.hidden), x_dtype)
+    w = operand((cfg.hidden, cfg.v), w_dtype)
+    labels = operand((cfg.n, 1), jnp.int32)
+    if kernel == "forward":
+        return (lambda x_, w_, y_: forward_call(x_, w_, y_, cfg)), (x, w, labels)
+    column = operand((cfg.n, 1), jnp.float32)
+    columns = (column, column, column) + ((column,) if cfg.with_sum else ())
+
+    def backward(x_, w_, y_, lse, g_lse, g_label, *g_sum):
+        return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum[0] if g_sum else None, cfg)
+
+    return backward, (x, w, labels, *columns)

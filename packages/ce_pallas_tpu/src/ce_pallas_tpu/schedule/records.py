@@ -1,0 +1,82 @@
+"""A schedule request (:class:`Job`) and its answer (:class:`KernelSchedule`), both plain JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KERNELS = ("forward", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One kernel of one problem to measure; ``tiles`` ``(b, h, v)`` override that kernel's defaults."""
+
+    kernel: str
+    n: int
+    h: int
+    v: int
+    x_dtype: str = "bfloat16"
+    w_dtype: str = "bfloat16"
+    tiles: tuple[int, int | None, int] | None = None
+    w_buffers: int | None = None  # the backward's w/dw buffers (None: as the plan chooses)
+    logit_soft_cap: float | None = None
+    with_sum: bool = False
+    precision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Job:
+        tiles = data.get("tiles")
+        return cls(**{**data, "tiles": None if tiles is None else tuple(tiles)})
+
+
+@dataclasses.dataclass
+class KernelSchedule:
+    """The static schedule of one kernel at one problem, per grid step and in total (one TensorCore).
+
+    ``*_per_step`` are averages over the walked core's full grid, from the bilinear fit of small
+    grids; ``interior_cycles_per_step`` is a step away from the grid's edges. ``ratio`` is cycles per
+    step over the MXU minimum (1.0: matmul-bound). ``hbm_us_per_step`` is the DMA traffic of a step at
+    the core's HBM bandwidth, to set beside ``mxu_us_per_step``: the static cycles do not see HBM.
+    """
+
+    generation: str
+    kernel: str
+    n: int
+    h: int
+    v: int
+    x_dtype: str
+    w_dtype: str
+    tiles: tuple[int, int, int] | None = None  # b, h, v as the kernel uses them
+    w_buffers: int | None = None  # the backward's w/dw buffers
+    grid: tuple[int, ...] | None = None  # the kernel's full grid
+    cores: int | None = None
+    steps_per_core: int | None = None
+    cycles_per_step: float | None = None
+    interior_cycles_per_step: float | None = None
+    bundles_per_step: float | None = None
+    vmatmuls_per_step: float | None = None
+    mxu_cycles_per_step: float | None = None
+    ratio: float | None = None
+    hbm_bytes_per_step: float | None = None
+    hbm_us_per_step: float | None = None
+    mxu_us_per_step: float | None = None
+    step_us: float | None = None  # cycles per step at the clock
+    kernel_us: float | None = None  # the walked core's whole grid at the clock
+    hbm_floor_us: float | None = None  # the walked core's HBM bytes at its bandwidth
+    roofline_us: float | None = None  # the kernel's flops at the chip's peak (all cores)
+    grids_compiled: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    compile_s: float | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KernelSchedule:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in fields})

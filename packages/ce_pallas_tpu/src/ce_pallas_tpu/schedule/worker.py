@@ -1,0 +1,133 @@
+"""The compile side of the schedule measurement; runs in a process started with libtpu's dump flags.
+
+    python -m ce_pallas_tpu.schedule.worker GENERATION PROFILE_DIR JOBS.json OUT.json
+
+For each job: the kernel's plan at full size on the generation (default tiles, or the job's), then
+the kernel alone compiled at a few small grids with those tiles (:mod:`.grid_fit`), each compile's
+static profile read back (:mod:`.dumps`) and fitted, and the result scaled to the full grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, kernel_matmuls, mxu_cycles
+from ce_pallas_tpu.schedule.dumps import read_kernel_trace
+from ce_pallas_tpu.schedule.grid_fit import BilinearFit, grid_points, small_grid
+from ce_pallas_tpu.schedule.records import Job, KernelSchedule
+
+OP_NAMES = {"forward": "ce_pallas_tpu_forward", "backward": "ce_pallas_tpu_backward"}
+
+
+def _config(job: Job) -> Any:
+    """The full-size kernel config of ``job`` on the current (AOT) target."""
+    from ce_core import StatsSpec  # noqa: PLC0415
+
+    from ce_pallas_tpu.schedule.programs import kernel_config  # noqa: PLC0415
+
+    spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum)
+    if job.precision is not None:
+        spec = dataclasses.replace(spec, precision=job.precision)
+    return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers)
+
+
+def _compile(job: Job, cfg: Any, device: Any) -> None:
+    from ce_pallas_tpu.schedule.programs import kernel_program  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    fn, args = kernel_program(job.kernel, cfg, job.x_dtype, job.w_dtype, jax.sharding.SingleDeviceSharding(device))
+    jax.jit(fn).lower(*args).compile()
+
+
+def _measure_grid(job: Job, cfg: Any, device: Any, profile_dir: Path):
+    shutil.rmtree(profile_dir, ignore_errors=True)
+    profile_dir.mkdir(parents=True)
+    try:
+        _compile(job, cfg, device)
+    except Exception as error:  # noqa: BLE001
+        # v5e/v6e compiles with the profile flags may fail a VMEM check after the dumps are written;
+        # the bundles are those of a normal compile. Without dumps the error is the answer.
+        try:
+            return read_kernel_trace(profile_dir, OP_NAMES[job.kernel])
+        except RuntimeError:
+            raise error from None
+    return read_kernel_trace(profile_dir, OP_NAMES[job.kernel])
+
+
+def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> KernelSchedule:
+    """The schedule of one job (errors are recorded, not raised)."""
+    record = KernelSchedule(generation, job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype)
+    start = time.perf_counter()
+    try:
+        cfg = _config(job)
+        points = grid_points(cfg)
+        traces = {point: _measure_grid(job, small_grid(cfg, *point), device, profile_dir) for point in points}
+    except Exception as error:  # noqa: BLE001 - one job's failure is its row
+        record.error = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+        record.compile_s = time.perf_counter() - start
+        return record
+    finally:
+        shutil.rmtree(profile_dir, ignore_errors=True)
+
+    chip = SCHEDULE_CHIPS[generation]
+    inner = cfg.nh if job.kernel == "forward" else 1  # hidden blocks per (token, vocab) pair
+    steps = cfg.nb * cfg.nv_per_core * inner
+
+    def per_step(field: str) -> float:
+        fit = BilinearFit.of({p: getattr(t, field) for p, t in traces.items()})
+        return fit.total(cfg.nb, cfg.nv_per_core) / steps
+
+    cycles_fit = BilinearFit.of({p: t.cycles for p, t in traces.items()})
+    mxu = mxu_cycles(generation, job.kernel, cfg.b, cfg.h if job.kernel == "forward" else cfg.hp, cfg.vb)
+    record.tiles = (cfg.b, cfg.h, cfg.vb)
+    record.w_buffers = getattr(cfg, "w_buffers", None)
+    record.grid = ((cfg.num_cores, cfg.nb, cfg.nv_per_core, cfg.nh) if job.kernel == "forward"
+                   else (cfg.num_cores, cfg.nv_per_core, cfg.nb))
+    record.cores = cfg.num_cores
+    record.steps_per_core = steps
+    record.cycles_per_step = cycles_fit.total(cfg.nb, cfg.nv_per_core) / steps
+    interior = cycles_fit.interior()
+    record.interior_cycles_per_step = None if interior is None else interior / inner
+    record.bundles_per_step = per_step("bundles")
+    record.vmatmuls_per_step = per_step("vmatmuls")
+    record.hbm_bytes_per_step = per_step("hbm_bytes")
+    record.mxu_cycles_per_step = mxu
+    record.ratio = record.cycles_per_step / mxu
+    record.hbm_us_per_step = record.hbm_bytes_per_step / chip.hbm_bytes_per_s * 1e6
+    record.mxu_us_per_step = mxu / chip.clock_hz * 1e6
+    record.step_us = record.cycles_per_step / chip.clock_hz * 1e6
+    record.kernel_us = record.step_us * steps
+    record.hbm_floor_us = record.hbm_us_per_step * steps
+    flops = 2 * len(kernel_matmuls(job.kernel, cfg.b, cfg.hp, cfg.vb)) * cfg.n * cfg.hp * cfg.v
+    record.roofline_us = flops / (chip.bf16_flops * cfg.num_cores) * 1e6
+    record.grids_compiled = list(points)
+    record.compile_s = time.perf_counter() - start
+    return record
+
+
+def main(argv: list[str]) -> int:
+    generation, profile_dir, jobs_path, out_path = argv
+    from ce_pallas_tpu import aot  # noqa: PLC0415
+
+    jobs = [Job.from_json(item) for item in json.loads(Path(jobs_path).read_text())]
+    results = []
+    with aot.compiling_for(generation) as device:
+        for index, job in enumerate(jobs):
+            record = measure_job(job, generation, device, Path(profile_dir))
+            results.append(record.to_json())
+            status = record.error or f"ratio {record.ratio:.3f}"
+            print(f"[{index + 1}/{len(jobs)}] {generation} {job.kernel} {job.n}x{job.h}x{job.v} "
+                  f"tiles {record.tiles}: {status} ({record.compile_s:.0f} s)", file=sys.stderr, flush=True)
+            Path(out_path).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

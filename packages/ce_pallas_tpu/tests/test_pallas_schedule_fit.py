@@ -1,0 +1,52 @@
+"""The small-grid bilinear fit behind ``ce-bench schedule`` (pure arithmetic, no compile)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ce_pallas_tpu.common import KernelConfig
+from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
+from ce_pallas_tpu.schedule.grid_fit import BilinearFit, grid_points, small_grid
+
+
+def _config(n: int, v: int, b: int, vb: int, cores: int) -> KernelConfig:
+    return KernelConfig(n=n, hidden=4096, hp=4096, v=v, b=b, h=4096, vb=vb, num_cores=cores, logit_soft_cap=None,
+                        with_sum=False, interpret=False, vmem_limit_bytes=None)
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_small_grids_keep_the_tiles_and_the_raggedness(cores):
+    full = _config(8000, 128256, 512, 512, cores)  # ragged last token block and last vocab block
+    for kb, kv in grid_points(full):
+        small = small_grid(full, kb, kv)
+        assert (small.nb, small.nv_per_core, small.b, small.vb) == (kb, kv, full.b, full.vb)
+        assert small.n % small.b == full.n % full.b
+        assert small.v % small.vb == full.v % full.vb
+        # A core short of a block at full size is short of one at the small size too.
+        assert small.num_cores * small.nv_per_core - small.nv == full.num_cores * full.nv_per_core - full.nv
+
+
+def test_grid_points_shrink_with_the_grid():
+    assert grid_points(_config(8192, 128256, 512, 512, 2)) == [(2, 2), (2, 3), (3, 2), (3, 3)]
+    assert grid_points(_config(512, 4096, 512, 512, 1)) == [(1, 2), (1, 3)]
+    assert grid_points(_config(256, 512, 512, 512, 1)) == [(1, 1)]
+
+
+def test_the_fit_is_exact_for_a_bilinear_total():
+    def total(kb, kv):
+        return 700 + 30 * kb + 11 * kv + 1000 * kb * kv
+
+    fit = BilinearFit.of({(kb, kv): total(kb, kv) for kb in (2, 3) for kv in (2, 3)})
+    assert fit.total(16, 126) == pytest.approx(total(16, 126))
+    assert fit.interior() == pytest.approx(1000)
+    line = BilinearFit.of({(1, 2): total(1, 2), (1, 3): total(1, 3)})
+    assert line.total(1, 40) == pytest.approx(total(1, 40)) and line.interior() is None
+
+
+def test_mxu_minimum_per_generation():
+    # v5p forward, 512 x 4096 x 512 tile: 512 rows x 32 x 4 weight tiles over 4 MXUs.
+    assert mxu_cycles("v5p", "forward", 512, 4096, 512) == 16384
+    # v6e backward, b=256, H=4096, vb=1024: three products of 16384 row-tiles over 2 MXUs x 2 rows.
+    assert mxu_cycles("v6e", "backward", 256, 4096, 1024) == 3 * 256 * 16 * 4 / 4
+    # The clock follows from the peak rate: 16384 cycles on v5p are 9.36 us.
+    assert 16384 / SCHEDULE_CHIPS["v5p"].clock_hz == pytest.approx(9.36e-6, rel=1e-3)
