@@ -54,27 +54,36 @@ def test_eager_tiny_problem(interpret, target):
 
 
 @pytest.mark.parametrize("target", ["v5e", "v5p"])
-def test_row_stats_and_vjp_match_the_reference(interpret, target):
-    """The backend contract directly: stats and their VJP for arbitrary cotangents.
+@pytest.mark.parametrize("blocks", [BlockSizes(32, 128, 128), BlockSizes(32, None, 128)],
+                         ids=["hidden-blocked", "pipelined"])
+def test_row_stats_and_vjp_match_the_reference(interpret, target, blocks):
+    """The backend contract directly: all four statistics and their VJP for arbitrary cotangents.
 
-    Labels outside ``[0, V)`` (those of another vocab shard) must give a label logit of 0.
+    Labels outside ``[0, V)`` (those of another vocab shard) must give a label logit of 0. Both
+    forward paths run (hidden blocked, and whole hidden with the software-pipelined vocab loop); on
+    v5p the vocab is split over two cores, whose expected logits are merged by their share of mass.
     """
     interpret(target)
     x, labels, w = random_problem(13, (77,), 160, 333, ignore_fraction=0.0)
     labels = labels.copy()
     labels[:5] = [-1, 333, 400, -7, 1000]
-    spec = StatsSpec(logit_soft_cap=5.0, with_sum=True, block_sizes=BlockSizes(32, 128, 128))
+    spec = StatsSpec(logit_soft_cap=5.0, with_sum=True, with_expected=True, block_sizes=blocks)
     backend = ce_pallas_tpu.make_backend()
     x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
     ours, our_vjp = jax.vjp(lambda x_, w_: backend.row_stats(x_, w_, labels, spec), x, w)
     theirs, their_vjp = jax.vjp(lambda x_, w_: reference_row_stats(x_, w_, labels, spec), x, w)
-    for name in ("lse", "label", "sum"):
+    for name in ("lse", "label", "sum", "expected"):
         np.testing.assert_allclose(getattr(ours, name), getattr(theirs, name), rtol=2e-5, atol=2e-5, err_msg=name)
     assert np.all(np.asarray(ours.label)[:5] == 0.0)
     rng = np.random.default_rng(0)
-    cotangent = RowStats(*(jnp.asarray(rng.standard_normal(77), jnp.float32) for _ in range(3)))
+    cotangent = RowStats(*(jnp.asarray(rng.standard_normal(77), jnp.float32) for _ in range(4)))
     for ours_grad, their_grad in zip(our_vjp(cotangent), their_vjp(cotangent)):
         np.testing.assert_allclose(ours_grad, their_grad, rtol=1e-4, atol=2e-5)
+    # The contract's backward-only entry point, from the statistics alone.
+    direct = backend.row_stats_vjp(x, w, labels, ours, cotangent, spec)
+    for direct_grad, their_grad in zip(direct, their_vjp(cotangent)):
+        np.testing.assert_allclose(direct_grad, their_grad, rtol=1e-4, atol=2e-5)
+    assert not interpret_pallas_call.races.races_found
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

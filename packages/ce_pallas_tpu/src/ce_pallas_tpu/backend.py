@@ -18,7 +18,7 @@ class PallasTpuBackend(Backend):
     """Streaming forward and core-grid backward Pallas TPU kernels (interpretable on CPU)."""
 
     name = "pallas_tpu"
-    contract_version = 1
+    contract_version = 2
     #: First on TPU.
     default_priority = MappingProxyType({"tpu": 20})
 
@@ -65,7 +65,7 @@ class PallasTpuBackend(Backend):
         cotangent: RowStats,
         spec: StatsSpec,
     ) -> tuple[jax.Array, jax.Array]:
-        return ops.row_stats_vjp(x, w, labels, stats.lse, cotangent, spec)
+        return ops.row_stats_vjp(x, w, labels, stats, cotangent, spec)
 
 
 def make_backend() -> PallasTpuBackend:

@@ -1,8 +1,11 @@
 """Core-grid backward kernel: ``dx`` and ``dw`` of the row statistics, logits recomputed per tile.
 
-With cotangents ``(g_lse, g_label, g_sum)`` of the statistics, the logit cotangent is
+With cotangents ``(g_lse, g_label, g_sum, g_expected)`` of the statistics, the logit cotangent is
 
-    delta = (g_lse * softmax + g_label * [col == label] + g_sum) * cap'(z)
+    delta = (p * (g_lse + g_expected * (1 + z - expected)) + g_label * [col == label] + g_sum) * cap'(z)
+
+with ``p = softmax(z)`` and ``expected = sum_j p_j z_j`` (its terms only when the expected logit is
+asked for).
 
 and ``dx = delta @ w.T``, ``dw = x.T @ delta``. Grid ``(cores, vocab blocks per core, token
 blocks)``, token blocks innermost:
@@ -50,11 +53,10 @@ class BackwardConfig(common.KernelConfig):
     w_buffers: int = 1
 
 
-def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs, cfg: BackwardConfig):
-    if cfg.with_sum:
-        g_sum_ref, *refs = refs
-    else:
-        g_sum_ref = None
+def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *rest, cfg: BackwardConfig):
+    refs = list(rest)
+    g_sum_ref = refs.pop(0) if cfg.with_sum else None
+    expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
     dw_ref, dxp_hbm, dw_acc, dx_buf, sems = refs
 
     core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -99,7 +101,11 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *refs
 
         z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
         col = block * vb + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-        delta = g_lse_ref[...] * jnp.exp(z - lse_ref[...])
+        p = jnp.exp(z - lse_ref[...])
+        if expected_ref is None:
+            delta = g_lse_ref[...] * p
+        else:
+            delta = p * (g_lse_ref[...] + g_expected_ref[...] * (1.0 + z - expected_ref[...]))
         delta = delta + jnp.where(col == y_ref[...], g_label_ref[...], 0.0)
         if g_sum_ref is not None:
             delta = delta + g_sum_ref[...]
@@ -160,12 +166,15 @@ def backward_call(
     g_lse: jax.Array,
     g_label: jax.Array,
     g_sum: jax.Array | None,
+    expected: jax.Array | None,
+    g_expected: jax.Array | None,
     cfg: BackwardConfig,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dx partials float32 [cores, Np, Hp], dw [H, V] in w's dtype)``.
 
-    ``x`` is ``[N, H]``, ``w`` is ``[H, V]``; ``labels`` (int32), ``lse`` and the cotangents are
-    ``[N, 1]``.
+    ``x`` is ``[N, H]``, ``w`` is ``[H, V]``; ``labels`` (int32), ``lse``, ``expected`` and the
+    cotangents are ``[N, 1]`` (``g_sum`` only with ``cfg.with_sum``, ``expected`` and ``g_expected``
+    only with ``cfg.with_expected``).
     """
     nvc, nv = cfg.nv_per_core, cfg.nv
 
@@ -191,6 +200,9 @@ def backward_call(
     if cfg.with_sum:
         in_specs.append(column)
         operands.append(g_sum)
+    if cfg.with_expected:
+        in_specs += [column, column]
+        operands += [expected, g_expected]
     out_specs = [
         common.block_spec((cfg.hp, cfg.vb), w_block, w_buffers),
         pl.BlockSpec(memory_space=pl.ANY),

@@ -27,6 +27,12 @@ class KernelConfig:
     interpret: object  # False, or pltpu.InterpretParams
     vmem_limit_bytes: int | None
     precision: str = "default"  # of the products: "default" (bf16 MXU passes) or "high"/"highest" (f32)
+    with_expected: bool = False  # also the expected logit sum_j p_j z_j (for the entropy)
+
+    @property
+    def n_stats(self) -> int:
+        """Statistics per row: lse and label logit, then the logit sum and the expected logit if asked."""
+        return 2 + self.with_sum + self.with_expected
 
     @property
     def nb(self) -> int:

@@ -1,4 +1,4 @@
-"""Streaming forward kernel: per-token lse, label logit and logit sum of ``cap(x @ w)``.
+"""Streaming forward kernel: per-token lse, label logit, logit sum and expected logit of ``cap(x @ w)``.
 
 Grid ``(cores, token blocks, vocab blocks per core, hidden blocks)``:
 
@@ -11,7 +11,8 @@ Grid ``(cores, token blocks, vocab blocks per core, hidden blocks)``:
 
 A logit tile ``[b, v]`` exists only in VMEM (accumulated over hidden blocks in a VMEM scratch when
 the hidden dimension is blocked). An online logsumexp keeps a running max and sum per row in VMEM
-scratch across vocab blocks. With the hidden dimension whole (the default), the vocab loop is
+scratch across vocab blocks (and, for the entropy, the sum of ``exp(z - max) z``, rescaled with the
+sum of exp, whose ratio to it is the expected logit). With the hidden dimension whole (the default), the vocab loop is
 software-pipelined: a step forms the logits of its block in one slot of a two-slot scratch while
 the vector units take the statistics of the previous block from the other slot, so the
 exp/max/sum work overlaps the MXU instead of following it (it costs 0.08-0.13 of a step otherwise). The soft cap is applied in the kernel; the label logit is picked by
@@ -39,39 +40,47 @@ class ForwardConfig(common.KernelConfig):
 
 
 def _update(z_raw, start, y, state, cfg: ForwardConfig, *, may_be_last: bool = True):
-    """The online statistics ``(max, sum of exp, label logit[, logit sum])`` after one logit tile.
+    """The online statistics ``(max, sum of exp, label logit, logit sum, weighted sum)`` after one tile.
 
-    ``start`` is the global id of the tile's first column; columns at or past ``V`` (garbage in a
-    ragged last block) count for nothing, and labels outside ``[0, V)`` never hit. Pass
-    ``may_be_last=False`` for a tile that is known not to be the ragged last one: it is not masked.
+    The logit sum and the weighted sum ``sum_j exp(z_j - max) z_j`` (the expected logit times the
+    sum of exp) are ``None`` unless asked for. ``start`` is the global id of the tile's first
+    column; columns at or past ``V`` (garbage in a ragged last block) count for nothing, and labels
+    outside ``[0, V)`` never hit. Pass ``may_be_last=False`` for a tile that is known not to be the
+    ragged last one: it is not masked.
     """
-    m, l, label, total = state
+    m, l, label, total, weighted = state
     z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
     local = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     if cfg.v % cfg.vb and may_be_last:
         valid = local < cfg.v - start
         z_lse = jnp.where(valid, z, -jnp.inf)
+        z_owned = jnp.where(valid, z, 0.0)
     else:
-        valid, z_lse = None, z
+        valid, z_lse, z_owned = None, z, z
     m_new = jnp.maximum(m, jnp.max(z_lse, axis=1, keepdims=True))
-    l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z_lse - m_new), axis=1, keepdims=True)
+    rescale = jnp.exp(m - m_new)
+    exps = jnp.exp(z_lse - m_new)
+    l = l * rescale + jnp.sum(exps, axis=1, keepdims=True)
     hit = local == y - start
     if valid is not None:
         hit = hit & valid
     label = label + jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True)
     if total is not None:
-        total = total + jnp.sum(z if valid is None else jnp.where(valid, z, 0.0), axis=1, keepdims=True)
-    return m_new, l, label, total
+        total = total + jnp.sum(z_owned, axis=1, keepdims=True)
+    if weighted is not None:
+        weighted = weighted * rescale + jnp.sum(exps * z_owned, axis=1, keepdims=True)
+    return m_new, l, label, total, weighted
 
 
 def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
-    num_out = 3 if cfg.with_sum else 2
-    out_refs, scratch = refs[:num_out], refs[num_out:]
-    lse_ref, label_ref = out_refs[0], out_refs[1]
-    sum_ref = out_refs[2] if cfg.with_sum else None
-    m_sc, l_sc, label_sc = scratch[:3]
-    sum_sc = scratch[3] if cfg.with_sum else None
-    stat_refs = (m_sc, l_sc, label_sc, sum_sc)
+    out_refs, scratch = refs[: cfg.n_stats], refs[cfg.n_stats :]
+    lse_ref, label_ref, *optional_out = out_refs
+    sum_ref = optional_out.pop(0) if cfg.with_sum else None
+    expected_ref = optional_out.pop(0) if cfg.with_expected else None
+    m_sc, l_sc, label_sc, *optional_sc = scratch[: cfg.n_stats + 1]
+    sum_sc = optional_sc.pop(0) if cfg.with_sum else None
+    weighted_sc = optional_sc.pop(0) if cfg.with_expected else None
+    stat_refs = (m_sc, l_sc, label_sc, sum_sc, weighted_sc)
 
     core, j, k = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     block = core * cfg.nv_per_core + j  # global vocab block
@@ -90,7 +99,8 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     def initial_state():
         shape = m_sc.shape
         zeros = jnp.zeros(shape, jnp.float32)
-        return (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, None if sum_sc is None else zeros)
+        return (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, None if sum_sc is None else zeros,
+                None if weighted_sc is None else zeros)
 
     if cfg.nh == 1:
         # Software-pipelined over vocab blocks: step j forms the logits of block j in one slot of
@@ -159,10 +169,12 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         label_ref[...] = label_sc[...]
         if sum_ref is not None:
             sum_ref[...] = sum_sc[...]
+        if expected_ref is not None:
+            expected_ref[...] = weighted_sc[...] / l_sc[...]
 
 
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig) -> tuple[jax.Array, ...]:
-    """Per-core partial statistics, each float32 ``[cores, N, 1]``: ``(lse, label[, sum])``.
+    """Per-core partial statistics, each float32 ``[cores, N, 1]``: ``(lse, label[, sum][, expected])``.
 
     ``x`` is ``[N, H]``, ``w`` is ``[H, V]``, ``labels`` is int32 ``[N, 1]``.
     """
@@ -179,13 +191,13 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         pl.BlockSpec((cfg.h, cfg.vb), w_block),
         pl.BlockSpec((cfg.b, 1), lambda c, i, j, k: (i, 0)),
     ]
-    num_out = 3 if cfg.with_sum else 2
+    num_out = cfg.n_stats
     stat_spec = pl.BlockSpec((pl.squeezed, cfg.b, 1), lambda c, i, j, k: (c, i, 0))
     axes = common.varying_axes(x, w, labels)
     x, w, labels = (common.vary(value, axes) for value in (x, w, labels))
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), jnp.float32, axes)] * num_out
-    # Running max, running sum of exp, label logit (, logit sum) per row.
-    scratch = [pltpu.VMEM((cfg.b, 1), jnp.float32)] * (4 if cfg.with_sum else 3)
+    # Running max, running sum of exp, label logit (, logit sum)(, weighted sum) per row.
+    scratch = [pltpu.VMEM((cfg.b, 1), jnp.float32)] * (cfg.n_stats + 1)
     if cfg.nh > 1:
         scratch.append(pltpu.VMEM((cfg.b, cfg.vb), jnp.float32))  # logits summed over hidden blocks
     else:
@@ -215,9 +227,18 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
 
 
 def merge_cores(partials: jax.Array, how: str) -> jax.Array:
-    """Combine per-core partial statistics ``[cores, N, 1]`` into ``[N]``."""
+    """Combine per-core partial statistics ``[cores, N, 1]`` into ``[N]`` (``how``: logsumexp or sum)."""
     if partials.shape[0] == 1:
         return partials[0, :, 0]
     if how == "logsumexp":
         return jax.nn.logsumexp(partials[:, :, 0], axis=0)
     return jnp.sum(partials[:, :, 0], axis=0)
+
+
+def merge_expected(lse_partials: jax.Array, expected_partials: jax.Array, lse: jax.Array) -> jax.Array:
+    """The rows' expected logit from the cores' ``[cores, N, 1]`` partials: each core's weighted by its
+    share ``exp(lse_core - lse)`` of the row's probability mass."""
+    if expected_partials.shape[0] == 1:
+        return expected_partials[0, :, 0]
+    share = jnp.exp(lse_partials[:, :, 0] - lse[None, :])
+    return jnp.sum(share * expected_partials[:, :, 0], axis=0)

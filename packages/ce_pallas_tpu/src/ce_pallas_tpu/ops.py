@@ -18,7 +18,7 @@ from ce_core import BlockSizes, RowStats, StatsSpec
 from ce_pallas_tpu import block_sizes as tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
-from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores
+from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
 from ce_pallas_tpu.vmem import Shape
 
@@ -56,6 +56,7 @@ def problem_shape(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec) -> 
         with_sum=spec.with_sum,
         capped=spec.logit_soft_cap is not None,
         mxu_bytes=mxu_dtype(precision).itemsize,
+        with_expected=spec.with_expected,
     )
 
 
@@ -75,6 +76,7 @@ def make_plan(
         v=v,
         logit_soft_cap=spec.logit_soft_cap,
         with_sum=spec.with_sum,
+        with_expected=spec.with_expected,
         interpret=interpret,
         vmem_limit_bytes=limit,
         precision=resolve_precision(x_dtype, w_dtype, spec.precision),
@@ -100,29 +102,32 @@ def make_plan(
 
 
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
-    """lse, label logit and (optionally) logit sum of ``cap(x @ w)`` from the Pallas kernels."""
+    """lse, label logit and (optionally) logit sum and expected logit of ``cap(x @ w)`` from the kernels."""
     n, h = x.shape
     plan = make_plan(n, h, w.shape[1], x.dtype, w.dtype, spec)
     return _row_stats(x, w, labels, plan)
 
 
-def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array, cotangent: RowStats,
+def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, stats: RowStats, cotangent: RowStats,
                   spec: StatsSpec) -> tuple[jax.Array, jax.Array]:
-    """``dx, dw`` of the statistics from the backward kernel alone, given each row's lse."""
+    """``dx, dw`` of the statistics from the backward kernel alone, given the rows' whole-vocab
+    ``stats`` (their lse, and their expected logit when ``spec.with_expected``)."""
     n, h = x.shape
     plan = make_plan(n, h, w.shape[1], x.dtype, w.dtype, spec)
     y = labels.astype(jnp.int32).reshape(-1, 1)
-    dx, dw, _ = _row_stats_bwd(plan, (x, w, y, lse), cotangent)
+    dx, dw, _ = _row_stats_bwd(plan, (x, w, y, stats.lse, stats.expected), cotangent)
     return dx, dw
 
 
 def _forward(x, w, labels, plan: Plan):
     y = labels.astype(jnp.int32).reshape(-1, 1)
-    partials = forward_call(x, w, y, plan.forward)
-    lse = merge_cores(partials[0], "logsumexp")
-    label = merge_cores(partials[1], "sum")
-    total = merge_cores(partials[2], "sum") if plan.forward.with_sum else None
-    return RowStats(lse, label, total), (x, w, y, lse)
+    partials = list(forward_call(x, w, y, plan.forward))
+    lse_partials, label_partials = partials.pop(0), partials.pop(0)
+    lse = merge_cores(lse_partials, "logsumexp")
+    label = merge_cores(label_partials, "sum")
+    total = merge_cores(partials.pop(0), "sum") if plan.forward.with_sum else None
+    expected = merge_expected(lse_partials, partials.pop(0), lse) if plan.forward.with_expected else None
+    return RowStats(lse, label, total, expected), (x, w, y, lse, expected)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -135,15 +140,18 @@ def _row_stats_fwd(x, w, labels, plan: Plan):
 
 
 def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
-    x, w, y, lse = residuals
+    x, w, y, lse, expected = residuals
 
     def column(g):
-        return g.astype(jnp.float32).reshape(-1, 1)
+        return None if g is None else g.astype(jnp.float32).reshape(-1, 1)
 
-    g_sum = column(cotangents.sum) if plan.backward.with_sum else None
-    dx_partials, dw = backward_call(
-        x, w, y, column(lse), column(cotangents.lse), column(cotangents.label), g_sum, plan.backward
-    )
+    cfg = plan.backward
+    g_sum = column(cotangents.sum) if cfg.with_sum else None
+    if cfg.with_expected and (expected is None or cotangents.expected is None):
+        raise ValueError("pallas_tpu: the expected logit's cotangent needs the rows' expected logit")
+    g_expected = column(cotangents.expected) if cfg.with_expected else None
+    dx_partials, dw = backward_call(x, w, y, column(lse), column(cotangents.lse), column(cotangents.label),
+                                    g_sum, column(expected) if cfg.with_expected else None, g_expected, cfg)
     dx = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
     return dx[: plan.n, : plan.h].astype(x.dtype), dw, None
 

@@ -47,6 +47,12 @@ class Shape:
     with_sum: bool
     capped: bool
     mxu_bytes: int | None = None  # bytes per element of the products' operands (None: from the inputs)
+    with_expected: bool = False
+
+    @property
+    def n_stats(self) -> int:
+        """Statistics per row (lse, label logit, and the optional logit sum and expected logit)."""
+        return 2 + self.with_sum + self.with_expected
 
     @property
     def mm_bytes(self) -> int:
@@ -61,12 +67,12 @@ def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = Tru
     blocked = h < shape.hp
     # A single-buffered resident x still costs about half a buffer more (the matmul's operand copy).
     x_buffers = 2 if (blocked or not single_x) else 1.5
-    stats = 3 if shape.with_sum else 2
+    stats = shape.n_stats
     total = FIXED_BYTES + int(x_buffers * _tile(b, h, shape.x_bytes))
     total += 2 * _tile(h, vb, shape.w_bytes)
     total += 2 * _tile(b, 1, 4)  # labels
     total += 2 * stats * _tile(b, 1, 4)  # outputs
-    total += (stats + 1) * _tile(b, 1, 4)  # running max, sum, label (, logit sum)
+    total += (stats + 1) * _tile(b, 1, 4)  # running max, sum, label (, logit sum, weighted sum)
     # Logit accumulator over hidden blocks, or the two slots of the software-pipelined vocab loop.
     total += (1 if blocked else 2) * _tile(b, vb, 4)
     total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(b, vb, 4)
@@ -76,14 +82,16 @@ def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = Tru
 def backward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_w: bool = True) -> int:
     """VMEM the backward kernel needs with token block ``b``, hidden chunk ``h``, vocab block ``vb``."""
     w_buffers = 1 if single_w else 2
-    columns = 6 if shape.with_sum else 5
+    # x-independent columns: labels, lse and the cotangents (+ the expected logit and its cotangent).
+    columns = 3 + shape.n_stats + shape.with_expected
     total = 2 * _tile(b, shape.hp, shape.x_bytes)
     total += w_buffers * _tile(shape.hp, vb, shape.w_bytes)  # w block
     total += w_buffers * _tile(shape.hp, vb, shape.w_bytes)  # dw block
     total += 2 * columns * _tile(b, 1, 4)
     total += _tile(shape.hp, vb, 4)  # dw accumulator
     total += 2 * _tile(b, shape.hp, 4)  # dx partial in / out
-    total += (BACKWARD_TEMPORARIES + (2 if shape.capped else 0)) * _tile(b, vb, 4)
+    temporaries = BACKWARD_TEMPORARIES + (2 if shape.capped else 0) + (1 if shape.with_expected else 0)
+    total += temporaries * _tile(b, vb, 4)
     total += _tile(b, vb, shape.mm_bytes)  # delta in the matmul dtype
     total += _tile(h, vb, 4) + _tile(b, h, 4)  # one chunk's products
     return total

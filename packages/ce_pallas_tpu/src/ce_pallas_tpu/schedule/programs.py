@@ -50,9 +50,13 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str,
     if kernel == "forward":
         return (lambda x_, w_, y_: forward_call(x_, w_, y_, cfg)), (x, w, labels)
     column = operand((cfg.n, 1), jnp.float32)
-    columns = (column, column, column) + ((column,) if cfg.with_sum else ())
+    n_optional = cfg.with_sum + 2 * cfg.with_expected  # g_sum, then expected and g_expected
+    columns = (column,) * (3 + n_optional)
 
-    def backward(x_, w_, y_, lse, g_lse, g_label, *g_sum):
-        return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum[0] if g_sum else None, cfg)
+    def backward(x_, w_, y_, lse, g_lse, g_label, *optional):
+        rest = list(optional)
+        g_sum = rest.pop(0) if cfg.with_sum else None
+        expected, g_expected = (rest.pop(0), rest.pop(0)) if cfg.with_expected else (None, None)
+        return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum, expected, g_expected, cfg)
 
     return backward, (x, w, labels, *columns)

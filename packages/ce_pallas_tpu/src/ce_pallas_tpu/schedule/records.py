@@ -22,6 +22,7 @@ class Job:
     w_buffers: int | None = None  # the backward's w/dw buffers (None: as the plan chooses)
     logit_soft_cap: float | None = None
     with_sum: bool = False
+    with_expected: bool = False  # the entropy's extra statistic (linear_log_probs(return_entropy=True))
     precision: str | None = None
 
     def __post_init__(self) -> None:

@@ -31,7 +31,7 @@ def _config(job: Job) -> Any:
 
     from ce_pallas_tpu.schedule.programs import kernel_config  # noqa: PLC0415
 
-    spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum)
+    spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum, with_expected=job.with_expected)
     if job.precision is not None:
         spec = dataclasses.replace(spec, precision=job.precision)
     return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers)
