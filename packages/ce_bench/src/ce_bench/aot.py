@@ -7,10 +7,10 @@ checks included). ``compiled.memory_analysis()`` gives the HBM each program need
 
 Inside :func:`target_context`:
 
-- ``jax.sharding.use_abstract_mesh`` over the topology's device, so Pallas' ``pltpu.get_tpu_info()``
-  and TensorCore meshes see the target generation rather than the host CPU;
-- ``CE_PALLAS_TPU_TARGET=<target>``, which makes ``ce_pallas_tpu`` available off-TPU and picks its
-  tuned block sizes for that generation;
+- ``ce_pallas_tpu.aot.compiling_for(target)``: an abstract mesh over the topology's device, so
+  Pallas' ``pltpu.get_tpu_info()`` sees the target generation rather than the host CPU, and
+  ``CE_PALLAS_TPU_TARGET=<target>``, which makes ``ce_pallas_tpu`` available off-TPU and picks its
+  tuned block sizes for that generation (the topologies and targeting live there, once);
 - tokamax's ``cross_compile`` option (when tokamax is installed), which lifts its "Not supported on
   cpu" device check so ``tokamax:mosaic_tpu`` is compiled for the target too. tokamax's own verdict
   for the target (``supported_on``: TPU v5 and newer for ``mosaic_tpu``) is still honoured: a
@@ -20,14 +20,12 @@ Inside :func:`target_context`:
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ce_bench import memory
 from ce_bench.contenders import Contender, default_names, tokamax_installed, tokamax_unsupported_reason
@@ -35,79 +33,73 @@ from ce_bench.presets import Shape
 from ce_bench.records import Record, classify, short_reason
 from ce_bench.runner import Progress, compile_programs, input_structs
 
-#: ``--target`` -> libtpu topology name of one chip of that generation.
+#: ``--target`` choices: the generations ``ce_pallas_tpu.aot`` has a one-chip topology for.
 TOPOLOGIES: dict[str, str] = {
-    "v4": "v4:1x1x1",
+    "v4": "v4:1x1x1 (megacore)",
     "v5e": "v5e:1x1",
     "v5p": "v5p:1x1x1",
     "v6e": "v6e:1x1",
+    "tpu7x": "tpu7x:1x1x1 (first TensorCore)",
 }
-PALLAS_TARGET_ENV = "CE_PALLAS_TPU_TARGET"
 
 
 class AotUnavailableError(RuntimeError):
-    """The TPU compiler cannot be reached (no libtpu, or an unknown target)."""
+    """The TPU compiler cannot be reached (no libtpu or ce-pallas-tpu, or an unknown target)."""
+
+
+def _pallas_aot() -> Any:
+    """``ce_pallas_tpu.aot``: the one place that makes TPU topology devices and targets them."""
+    try:
+        from ce_pallas_tpu import aot
+    except ImportError as error:
+        raise AotUnavailableError(
+            f"ahead-of-time compilation needs ce-pallas-tpu and libtpu: pip install 'ce-bench[tpu]' ({error})"
+        ) from error
+    return aot
 
 
 def tpu_device(target: str) -> Any:
-    """The (only) device of a one-chip topology of generation ``target``."""
+    """The device of a one-chip topology of generation ``target``."""
     if target not in TOPOLOGIES:
         raise AotUnavailableError(f"unknown TPU target {target!r}; choose one of {sorted(TOPOLOGIES)}")
-    from jax.experimental import topologies  # noqa: PLC0415
-
+    aot = _pallas_aot()
     try:
-        topology = topologies.get_topology_desc(topology_name=TOPOLOGIES[target], platform="tpu")
-    except Exception as error:  # noqa: BLE001
+        return aot.topology_device(target)
+    except Exception as error:
         hint = ("another process holds libtpu's lockfile: set ALLOW_MULTIPLE_LIBTPU_LOAD=1 before JAX starts"
                 if "lockfile" in str(error) else
                 "ahead-of-time compilation needs libtpu: pip install 'ce-bench[tpu]' (or libtpu) on Linux x86_64")
         raise AotUnavailableError(f"cannot get a {target} topology ({short_reason(error)}); {hint}") from error
-    return topology.devices[0]
 
 
 @contextlib.contextmanager
-def target_context(target: str, device: Any) -> Iterator[None]:
-    """Make JAX, ce_pallas_tpu and tokamax compile for ``target`` (see the module docstring)."""
-    previous = os.environ.get(PALLAS_TARGET_ENV)
-    os.environ[PALLAS_TARGET_ENV] = target
-    mesh = jax.sharding.Mesh(np.array([device]), ("aot",))
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
-            if tokamax_installed():
-                import tokamax  # noqa: PLC0415
+def target_context(target: str) -> Iterator[Any]:
+    """Make JAX, ce_pallas_tpu and tokamax compile for ``target``; yields its device (module docstring)."""
+    tpu_device(target)  # a clear AotUnavailableError first
+    with contextlib.ExitStack() as stack:
+        device = stack.enter_context(_pallas_aot().compiling_for(target))
+        if tokamax_installed():
+            import tokamax
 
-                stack.enter_context(tokamax.config.cross_compile(True))
-            yield
-    finally:
-        if previous is None:
-            os.environ.pop(PALLAS_TARGET_ENV, None)
-        else:
-            os.environ[PALLAS_TARGET_ENV] = previous
+            stack.enter_context(tokamax.config.cross_compile(True))
+        yield device
 
 
 def hbm_bytes() -> int | None:
     """HBM of one chip of the current (abstract) TPU device, from ``pltpu.get_tpu_info()``."""
     try:
-        from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+        from jax.experimental.pallas import tpu as pltpu
 
         info = pltpu.get_tpu_info()
         return int(info.hbm_capacity_bytes) * int(info.num_cores or 1)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
 def default_aot_names(target: str) -> list[str]:
     """Every ce_core backend available when compiling for ``target``, then tokamax's."""
-    previous = os.environ.get(PALLAS_TARGET_ENV)
-    os.environ[PALLAS_TARGET_ENV] = target
-    try:
+    with _pallas_aot().targeting(target):
         return default_names()
-    finally:
-        if previous is None:
-            os.environ.pop(PALLAS_TARGET_ENV, None)
-        else:
-            os.environ[PALLAS_TARGET_ENV] = previous
 
 
 def run_aot(target: str, shapes: Sequence[Shape], dtypes: Sequence[Any], names: Sequence[str] | None = None,
@@ -128,7 +120,7 @@ def run_aot(target: str, shapes: Sequence[Shape], dtypes: Sequence[Any], names: 
     bar.add(len(shapes) * len(dtypes) * len(names))
     records = []
     try:
-        with target_context(target, device):
+        with target_context(target):
             hbm = hbm_bytes()
             for shape in shapes:
                 for dtype in dtypes:
@@ -157,7 +149,7 @@ def _compile_one(contender: Contender, shape: Shape, dtype: Any, structs: Sequen
     try:
         fwd, fwd_bwd = contender.programs(reduction)
         compiled_fwd, compiled_fwd_bwd, seconds = compile_programs(fwd, fwd_bwd, structs)
-    except Exception as error:  # noqa: BLE001 - the row says why; the report goes on
+    except Exception as error:
         record.status, record.reason = classify(error), short_reason(error)
         record.compile_s = time.perf_counter() - start
         return record
