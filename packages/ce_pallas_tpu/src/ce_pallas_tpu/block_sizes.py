@@ -96,8 +96,11 @@ def _kt(b: int, h: int | None, v: int) -> KernelTiles:
 #: (generation, bucket) -> (forward tiles, backward tiles). Seeded from the inference rule below
 #: (roofline model and VMEM footprints fitted to libtpu's compiler) at each bucket's example shape
 #: in bf16, smaller tiles for the small bucket, and compiled for each generation through libtpu's
-#: deviceless topologies by the test suite. Not yet timed on TPU hardware: measured entries replace
-#: these as they come.
+#: deviceless topologies by the test suite. The backward entries of v5p (llama3, large_vocab) and
+#: v6e (llama3, large_vocab, huge_batch) were then chosen from libtpu's static schedule (issue 11,
+#: ``ce-bench schedule``; docs/benchmarks.md): the candidates with the fewest cycles per MXU minimum
+#: whose HBM time per step stays below the MXU time and that the VMEM model admits. Not yet timed on
+#: TPU hardware: measured entries replace these as they come.
 TUNED: dict[tuple[str, str], tuple[KernelTiles, KernelTiles]] = {}
 
 
@@ -121,15 +124,15 @@ def _fill_table() -> None:
             "small": (_kt(512, None, 512), _kt(256, 512, 512)),
             "wide": (_kt(512, None, 256), _kt(64, 512, 512)),
             "huge_batch": (_kt(512, None, 1024), _kt(512, 512, 512)),
-            "large_vocab": (_kt(512, None, 512), _kt(128, 512, 512)),
-            "llama3": (_kt(512, None, 512), _kt(128, 512, 512)),
+            "large_vocab": (_kt(512, None, 512), _kt(256, 512, 512)),
+            "llama3": (_kt(512, None, 512), _kt(256, 512, 512)),
         },
         "v6e": {
             "small": (_kt(512, None, 1024), _kt(256, 512, 1024)),
             "wide": (_kt(1024, None, 512), _kt(128, 512, 1024)),
-            "huge_batch": (_kt(1024, None, 2048), _kt(512, 512, 1024)),
-            "large_vocab": (_kt(1024, None, 1024), _kt(256, 512, 1024)),
-            "llama3": (_kt(1024, None, 1024), _kt(256, 512, 1024)),
+            "huge_batch": (_kt(1024, None, 2048), _kt(512, 512, 2048)),
+            "large_vocab": (_kt(1024, None, 1024), _kt(256, 512, 2048)),
+            "llama3": (_kt(1024, None, 1024), _kt(256, 512, 2048)),
         },
     }
     for generation, buckets in entries.items():
