@@ -10,6 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
+
 from ce_core.testing import log_probs_oracle, max_rel_error, oracle, random_problem
 
 OPTIONS = [

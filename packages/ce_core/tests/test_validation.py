@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 import ce_core
 from ce_core import BlockSizes, linear_cross_entropy
 from ce_core.testing import random_problem

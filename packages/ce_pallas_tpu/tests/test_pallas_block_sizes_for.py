@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+
 import ce_core
 
 

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy
-from ce_core.testing import Case, compare_with_oracle, random_problem
-from ce_reference import row_stats as reference_row_stats
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import ce_pallas_tpu
+from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy
+from ce_core.testing import Case, compare_with_oracle, random_problem
+from ce_reference import row_stats as reference_row_stats
 
 ALL_FEATURES = Case(logsumexp_weight=1e-3, logit_soft_cap=2.0, label_smoothing=0.1)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
-from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
 
 import ce_pallas_tpu
+from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
 from ce_pallas_tpu import block_sizes as tiling
 from ce_pallas_tpu import vmem
 from ce_pallas_tpu.ops import problem_shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import ce_core
 from ce_core.testing import oracle, random_problem
 from ce_reference import ReferenceBackend, make_backend

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import ce_core
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import ce_core
 
 
 def test_block_sizes_for_reports_the_chunk_plan():

@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import ce_core
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ce_core
 from ce_core import BlockSizes, linear_cross_entropy
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 MiB = 2**20
 #: Llama-3 at 8k tokens and Qwen at 32k tokens, bf16 (issue 13).

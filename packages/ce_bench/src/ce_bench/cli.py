@@ -79,7 +79,7 @@ def run_parser() -> argparse.ArgumentParser:
 
 def aot_parser() -> argparse.ArgumentParser:
     """The parser of ``ce-bench aot``."""
-    from ce_bench.aot import TOPOLOGIES  # noqa: PLC0415
+    from ce_bench.aot import TOPOLOGIES
 
     parser = argparse.ArgumentParser(
         prog="ce-bench aot",
@@ -99,8 +99,8 @@ def _outputs(args: argparse.Namespace, stem: str) -> tuple[Path | None, Path | N
 
 def _emit(records: Sequence[Record], args: argparse.Namespace, stem: str, table: str, title: str) -> None:
     """Print the table and write the JSON and PNG where ``args`` say."""
-    from ce_bench.plot import plot  # noqa: PLC0415
-    from ce_bench.records import write_json  # noqa: PLC0415
+    from ce_bench.plot import plot
+    from ce_bench.records import write_json
 
     print(table)
     json_path, plot_path = _outputs(args, stem)
@@ -129,9 +129,9 @@ def main_run(argv: Sequence[str]) -> int:
         parser.error("--repeats and --warmup must be >= 1")
     _quiet_libraries()
 
-    import jax  # noqa: PLC0415
+    import jax
 
-    from ce_bench import accuracy, contenders, report, runner  # noqa: PLC0415
+    from ce_bench import accuracy, contenders, report, runner
 
     if jax.default_backend() != "cpu":  # presets were reduced for a CPU; use their full size here
         shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False, tokens=args.tokens)
@@ -173,7 +173,7 @@ def main_aot(argv: Sequence[str]) -> int:
     # a topology that is not there touches no TPU, so several processes may load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-    from ce_bench import aot, contenders, report  # noqa: PLC0415
+    from ce_bench import aot, contenders, report
 
     names = None if args.backends is None else contenders.parse_names(args.backends)
     print(f"ce-bench aot: compiling for TPU {args.target} ({aot.TOPOLOGIES[args.target]}) without a TPU\n", flush=True)
@@ -193,7 +193,7 @@ def main_aot(argv: Sequence[str]) -> int:
 
 def schedule_parser() -> argparse.ArgumentParser:
     """The parser of ``ce-bench schedule``."""
-    from ce_bench.schedule import DEFAULT_SCHEDULE_SHAPES, KERNELS, SCHEDULE_TARGETS  # noqa: PLC0415
+    from ce_bench.schedule import DEFAULT_SCHEDULE_SHAPES, KERNELS, SCHEDULE_TARGETS
 
     parser = argparse.ArgumentParser(
         prog="ce-bench schedule",
@@ -216,7 +216,7 @@ def schedule_parser() -> argparse.ArgumentParser:
 
 def main_schedule(argv: Sequence[str]) -> int:
     """``ce-bench schedule --target ...``."""
-    from ce_bench import schedule  # noqa: PLC0415
+    from ce_bench import schedule
 
     parser = schedule_parser()
     args = parser.parse_args(argv)
@@ -240,7 +240,7 @@ def main_schedule(argv: Sequence[str]) -> int:
     print()
     print(schedule.schedule_table(records, args.format))
     if args.json:
-        import json  # noqa: PLC0415
+        import json
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,7 +253,7 @@ def main_schedule(argv: Sequence[str]) -> int:
 def main_sharding(argv: Sequence[str]) -> int:
     """``ce-bench sharding``: per-device temporary memory of the sharded loss on simulated CPU meshes
     (:mod:`ce_bench.sharded_memory`; compile only)."""
-    from ce_bench import sharded_memory  # noqa: PLC0415
+    from ce_bench import sharded_memory
 
     parser = argparse.ArgumentParser(
         prog="ce-bench sharding",
@@ -300,7 +300,7 @@ def main_sharding(argv: Sequence[str]) -> int:
         sharded_memory.time_calls(records, repeats=args.time)
     print(sharded_memory.format_table(records))
     if args.json:
-        import json  # noqa: PLC0415
+        import json
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -318,14 +318,14 @@ def main_report(argv: Sequence[str]) -> int:
     parser.add_argument("--plot", default=None, metavar="PATH", help="also draw the PNG here")
     parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
     args = parser.parse_args(argv)
-    from ce_bench import report  # noqa: PLC0415
-    from ce_bench.records import read_json  # noqa: PLC0415
+    from ce_bench import report
+    from ce_bench.records import read_json
 
     records = [record for path in args.paths for record in read_json(path)]
     timed = any(record.fwd_bwd_ms is not None for record in records)
     print((report.run_table if timed else report.compile_table)(records, args.format))
     if args.plot:
-        from ce_bench.plot import plot  # noqa: PLC0415
+        from ce_bench.plot import plot
 
         devices = sorted({record.device for record in records if record.device})
         print(f"\nPNG:  {plot(records, args.plot, title='ce-bench: ' + '; '.join(devices))}")
@@ -334,7 +334,7 @@ def main_report(argv: Sequence[str]) -> int:
 
 def main_list() -> int:
     """``ce-bench list``: presets and the contenders available here."""
-    from ce_bench import contenders  # noqa: PLC0415
+    from ce_bench import contenders
 
     print("presets (N for aot/--compile-only; CPU runs use 'cpu N'):")
     for preset in presets.PRESETS.values():

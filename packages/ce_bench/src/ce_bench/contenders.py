@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 import ce_core
-
 from ce_bench import objectives
 
 TOKAMAX_PREFIX = "tokamax:"
@@ -76,7 +75,7 @@ class Contender:
             if implementation not in TOKAMAX_IMPLEMENTATIONS:
                 raise ValueError(f"unknown tokamax implementation {implementation!r}; "
                                  f"known: {list(TOKAMAX_IMPLEMENTATIONS)}")
-            import tokamax  # noqa: PLC0415 - optional dependency, imported on use
+            import tokamax  # optional dependency, imported on use
 
             def tokamax_loss(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
                 return tokamax.linear_softmax_cross_entropy_loss(
@@ -116,7 +115,7 @@ class Contender:
             backend = ce_core.get_backend(self.name)
             problem = ce_core.Problem(n, h, v, jnp.dtype(dtype), jnp.dtype(dtype), ce_core.StatsSpec())
             return format_block_sizes(backend.block_sizes_for(problem))
-        except Exception:  # noqa: BLE001 - informational only
+        except Exception:  # informational only
             return None
 
 
@@ -126,13 +125,13 @@ def tokamax_unsupported_reason(contender: Contender, device: Any) -> str | None:
     if not contender.is_tokamax:
         return None
     try:
-        from tokamax._src.ops.linear_softmax_cross_entropy_loss import api  # noqa: PLC0415
+        from tokamax._src.ops.linear_softmax_cross_entropy_loss import api
 
         op = api.IMPLEMENTATIONS.get(contender.tokamax_implementation)
         if op is not None and not op.supported_on(device):
             return (f"tokamax declares {contender.tokamax_implementation} unsupported on {device.device_kind} "
                     f"({type(op).__name__}.supported_on is False)")
-    except Exception:  # noqa: BLE001 - no verdict: let the compiler decide
+    except Exception:  # no verdict: let the compiler decide
         return None
     return None
 
@@ -167,12 +166,12 @@ def format_block_sizes(value: Any) -> str | None:
 
 def _tokamax_block_sizes(implementation: str, n: int, h: int, v: int, dtype: Any) -> str | None:
     if implementation == "chunked_xla":
-        from tokamax._src.ops.linear_softmax_cross_entropy_loss import chunked_xla  # noqa: PLC0415
+        from tokamax._src.ops.linear_softmax_cross_entropy_loss import chunked_xla
 
         config = chunked_xla.Config()
         return f"b={config.b_block_size} v={config.v_block_size}"
     if implementation == "mosaic_tpu":
-        from tokamax._src.ops.linear_softmax_cross_entropy_loss import (  # noqa: PLC0415
+        from tokamax._src.ops.linear_softmax_cross_entropy_loss import (
             pallas_mosaic_tpu_kernel as kernel,
         )
 

@@ -67,7 +67,7 @@ class Progress:
     def __init__(self, enabled: bool, description: str = "ce-bench") -> None:
         self._bar = None
         if enabled:
-            from tqdm.auto import tqdm  # noqa: PLC0415
+            from tqdm.auto import tqdm
 
             self._bar = tqdm(total=0, desc=description, unit="step", dynamic_ncols=True, leave=False)
 
@@ -204,7 +204,7 @@ def _plan(shape: Shape, dtype: Any, config: RunConfig, budget: int | None, devic
         try:
             fwd, fwd_bwd = contender.programs(config.reduction)
             compiled_fwd, compiled_fwd_bwd, seconds = compile_programs(fwd, fwd_bwd, structs)
-        except Exception as error:  # noqa: BLE001 - the row says why; the run goes on
+        except Exception as error:  # the row says why; the run goes on
             record.status, record.reason = classify(error), short_reason(error)
             continue
         stats = memory.memory_stats(compiled_fwd_bwd)
@@ -238,7 +238,7 @@ def _plan(shape: Shape, dtype: Any, config: RunConfig, budget: int | None, devic
             try:
                 floor.fwd, floor.fwd_bwd, record.compile_s = compile_programs(*floor_programs(), structs)
                 record.temp_bytes = memory.memory_stats(floor.fwd_bwd).temp_bytes
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 record.status, record.reason = classify(error), short_reason(error)
     return _ShapePlan(shape, dtype, planned, floor)
 
@@ -296,7 +296,7 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
             for extra in range(config.warmup - 1):
                 block(item.fwd_bwd(x, labels, w))
                 block(item.fwd(x, labels, w))
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             record.status, record.reason = classify(error), short_reason(error)
             bar.add(-2 * config.repeats)
             continue

@@ -6,8 +6,8 @@ from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
-from ce_core import Backend, Problem, RowStats, StatsSpec, UnsupportedError
 
+from ce_core import Backend, Problem, RowStats, StatsSpec, UnsupportedError
 from ce_pallas_tpu import ops, target
 
 #: Input dtypes the kernels take (the MXU has no float16 path on v4/v5).

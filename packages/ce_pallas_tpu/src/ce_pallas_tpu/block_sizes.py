@@ -24,7 +24,6 @@ import dataclasses
 import itertools
 
 from ce_core import BlockSizes, UnsupportedError
-
 from ce_pallas_tpu import vmem
 from ce_pallas_tpu.target import CHIP_FACTS, Target
 from ce_pallas_tpu.vmem import Shape

@@ -13,8 +13,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from ce_core import BlockSizes, RowStats, StatsSpec
 
+from ce_core import BlockSizes, RowStats, StatsSpec
 from ce_pallas_tpu import block_sizes as tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision

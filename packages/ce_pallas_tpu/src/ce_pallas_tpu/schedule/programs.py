@@ -20,10 +20,10 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     Unlike explicit ``BlockSizes``, the tiles are not checked against the VMEM model (the
     compile is the judge here), and they apply to this kernel only.
     """
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
-    from ce_pallas_tpu import ops  # noqa: PLC0415
-    from ce_pallas_tpu.target import active_cores, current_target  # noqa: PLC0415
+    from ce_pallas_tpu import ops
+    from ce_pallas_tpu.target import active_cores, current_target
 
     plan = ops.make_plan(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec)
     cfg = plan.forward if kernel == "forward" else plan.backward
