@@ -293,7 +293,7 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
             outputs = block(item.fwd_bwd(x, labels, w))
             bar.step()
             block(item.fwd(x, labels, w))
-            for extra in range(config.warmup - 1):
+            for _ in range(config.warmup - 1):
                 block(item.fwd_bwd(x, labels, w))
                 block(item.fwd(x, labels, w))
         except Exception as error:
@@ -310,7 +310,7 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
         del outputs
         for kind, program in (("fwd", item.fwd), ("fwd_bwd", item.fwd_bwd)):
             key = f"{record.backend}/{kind}"
-            contenders[key] = (lambda program=program: program(x, labels, w))
+            contenders[key] = (lambda program=program, args=(x, labels, w): program(*args))
             owners[key] = (item, kind)
     del expected
     gc.collect()
@@ -336,7 +336,7 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
             record.floor_ratio = record.fwd_bwd_ms / floor_fwd_bwd
         if record.fwd_ms and floor_fwd:
             record.fwd_floor_ratio = record.fwd_ms / floor_fwd
-    del x, labels, w
+    del contenders, x, labels, w
     gc.collect()
     return out
 
