@@ -167,7 +167,8 @@ def test_list_and_sharding_subcommands(tmp_path: Path, capsys: pytest.CaptureFix
     assert cli.main(["sharding", "--backends", "reference", "--shapes", "64x32x512", "--meshes", "1x1,2x2",
                      "--calls", "wrapper,explicit,auto", "--time", "1", "--json", str(json_path)]) == 0
     records = json.loads(json_path.read_text())
-    assert [(r["mesh"], r["call"]) for r in records] == [(m, c) for m in ("1x1", "2x2") for c in ("wrapper", "explicit", "auto")]
+    expected = [(mesh, call) for mesh in ("1x1", "2x2") for call in ("wrapper", "explicit", "auto")]
+    assert [(r["mesh"], r["call"]) for r in records] == expected
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in records), records
     sharded = [r["temp_bytes"] for r in records if r["mesh"] == "2x2"]
     assert max(sharded) < min(r["temp_bytes"] for r in records if r["mesh"] == "1x1")  # each call splits the work

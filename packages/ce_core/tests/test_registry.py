@@ -116,7 +116,8 @@ def test_single_name_raises_that_backends_error(temporary_backends):
 def test_fallback_chain_warns_once_and_uses_next(temporary_backends):
     temporary_backends(Refusing("picky"))
     counting = temporary_backends(Counting("counting"))
-    with pytest.warns(FallbackWarning, match=r"backend 'picky' cannot run this call \(too picky.*falling back to 'counting'"):
+    message = r"backend 'picky' cannot run this call \(too picky.*falling back to 'counting'"
+    with pytest.warns(FallbackWarning, match=message):
         loss = linear_cross_entropy(X, LABELS, W, implementation=("picky", "counting"))
     assert counting.calls == 1
     expected = linear_cross_entropy(X, LABELS, W, implementation="reference")
@@ -186,7 +187,7 @@ def test_register_backend_refuses_duplicates_and_non_backends(temporary_backends
         ce_core.register_backend("dup", lambda: Counting("dup"))
     ce_core.register_backend("not-a-backend", lambda: object())
     try:
-        with pytest.raises(TypeError, match="returned object, not a ce_core.Backend"):
+        with pytest.raises(TypeError, match=r"returned object, not a ce_core\.Backend"):
             ce_core.get_backend("not-a-backend")
     finally:
         ce_core.unregister_backend("not-a-backend")

@@ -49,7 +49,8 @@ def test_real_shapes_compile_with_default_tiles_within_the_hbm_bound(generation,
 def test_every_tuned_entry_compiles_on_its_generation(generation, bucket):
     n, h, v = tiling.BUCKET_EXAMPLES[bucket]
     with aot.compiling_for(generation):
-        assert ce_pallas_tpu.describe_plan(n, h, v, jnp.bfloat16, jnp.bfloat16)["source"] == f"table:{generation}/{bucket}"
+        plan = ce_pallas_tpu.describe_plan(n, h, v, jnp.bfloat16, jnp.bfloat16)
+        assert plan["source"] == f"table:{generation}/{bucket}"
     result = aot.compile_loss_and_grads(generation, n, h, v)
     assert result.ok and result.temp_bytes <= hbm_bound(n, h, v)
 

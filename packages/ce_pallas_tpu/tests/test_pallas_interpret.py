@@ -77,11 +77,11 @@ def test_row_stats_and_vjp_match_the_reference(interpret, target, blocks):
     assert np.all(np.asarray(ours.label)[:5] == 0.0)
     rng = np.random.default_rng(0)
     cotangent = RowStats(*(jnp.asarray(rng.standard_normal(77), jnp.float32) for _ in range(4)))
-    for ours_grad, their_grad in zip(our_vjp(cotangent), their_vjp(cotangent)):
+    for ours_grad, their_grad in zip(our_vjp(cotangent), their_vjp(cotangent), strict=True):
         np.testing.assert_allclose(ours_grad, their_grad, rtol=1e-4, atol=2e-5)
     # The contract's backward-only entry point, from the statistics alone.
     direct = backend.row_stats_vjp(x, w, labels, ours, cotangent, spec)
-    for direct_grad, their_grad in zip(direct, their_vjp(cotangent)):
+    for direct_grad, their_grad in zip(direct, their_vjp(cotangent), strict=True):
         np.testing.assert_allclose(direct_grad, their_grad, rtol=1e-4, atol=2e-5)
     assert not interpret_pallas_call.races.races_found
 
@@ -132,7 +132,7 @@ def test_generic_interpreter_works_under_checkpoint(monkeypatch):
 
     grads = jax.jit(jax.grad(jax.checkpoint(loss("pallas_tpu")), argnums=(0, 1)))(x, w)
     expected = jax.grad(loss("reference"), argnums=(0, 1))(x, w)
-    for ours, theirs in zip(grads, expected):
+    for ours, theirs in zip(grads, expected, strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
 
 

@@ -111,7 +111,8 @@ def test_row_stats_and_grads_matches_float64(mode, vocab, dtype, cap):
     x, labels, w = problem(vocab, dtype, seed=2)
     spec = StatsSpec(logit_soft_cap=cap, with_sum=True, block_sizes=block_sizes)
     rng = np.random.default_rng(3)
-    params = {"a": jnp.asarray(rng.uniform(0.5, 2, 50), jnp.float32), "b": jnp.asarray(rng.standard_normal(50), jnp.float32)}
+    params = {"a": jnp.asarray(rng.uniform(0.5, 2, 50), jnp.float32),
+              "b": jnp.asarray(rng.standard_normal(50), jnp.float32)}
 
     def cotangent_fn(stats, p):  # depends on the chunk's own statistics, as ce_core's does
         return RowStats(p["a"] * (1.0 + 0.1 * stats.lse), p["b"] * jnp.tanh(stats.label), -0.01 * p["a"])
@@ -140,14 +141,15 @@ def test_row_stats_vjp_from_a_global_lse_matches_float64(mode, dtype):
     lse = float64_stats(x32, w32, np.asarray(labels), 3.0).lse
     rng = np.random.default_rng(10)
     cotangent = RowStats(*(jnp.asarray(rng.standard_normal(50), jnp.float32) for _ in range(3)))
-    dx, dw = jax.jit(lambda a, b, l: backend.row_stats_vjp(a, b, labels, RowStats(l, l), cotangent, spec))(
+    dx, dw = jax.jit(lambda a, b, s: backend.row_stats_vjp(a, b, labels, RowStats(s, s), cotangent, spec))(
         x, w, jnp.asarray(lse, jnp.float32))
     # The shard's share: softmax against the global lse; labels >= 1000 belong to other shards.
     raw = x32.astype(np.float64) @ w32[:, :1000]
     z = 3.0 * np.tanh(raw / 3.0)
     one_hot = (np.arange(1000)[None, :] == np.asarray(labels)[:, None]).astype(np.float64)
     g = [np.asarray(c, np.float64) for c in cotangent]
-    delta = (g[0][:, None] * np.exp(z - lse[:, None]) + g[1][:, None] * one_hot + g[2][:, None]) * (1 - np.tanh(raw / 3.0) ** 2)
+    delta = ((g[0][:, None] * np.exp(z - lse[:, None]) + g[1][:, None] * one_hot + g[2][:, None])
+             * (1 - np.tanh(raw / 3.0) ** 2))
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
     check(dx, delta @ w32[:, :1000].T, TOLERANCE[dtype], "dx")
     check(dw, x32.T @ delta, TOLERANCE[dtype], "dw")
@@ -203,8 +205,9 @@ def test_the_two_paths_agree(mode):
     x, labels, w = random_problem(5, (50,), 40, 1000)
     options = dict(implementation=name, block_sizes=block_sizes, label_smoothing=0.1, logit_soft_cap=3.0)
     fused = jax.grad(lambda a, b: linear_cross_entropy(a, labels, b, reduction="sum", **options), (0, 1))(x, w)
-    general = jax.grad(lambda a, b: jnp.sum(linear_cross_entropy(a, labels, b, reduction="none", **options)), (0, 1))(x, w)
-    for f, g in zip(fused, general):
+    general = jax.grad(lambda a, b: jnp.sum(linear_cross_entropy(a, labels, b, reduction="none", **options)),
+                       (0, 1))(x, w)
+    for f, g in zip(fused, general, strict=True):
         assert max_rel_error(f, g) < 1e-5
 
 
@@ -276,8 +279,8 @@ def test_every_entry_point_takes_the_planned_gradient_order(monkeypatch, no_fuse
     backend = XlaBackend()
     lse = backend.row_stats(*args[:1], args[1], jnp.asarray(np.maximum(labels, 0)), StatsSpec()).lse
     zeros = jnp.zeros(64, jnp.float32)
-    backend.row_stats_vjp(args[0], args[1], jnp.asarray(np.maximum(labels, 0)), RowStats(lse, zeros), RowStats(zeros + 1, zeros),
-                          StatsSpec())
+    backend.row_stats_vjp(args[0], args[1], jnp.asarray(np.maximum(labels, 0)), RowStats(lse, zeros),
+                          RowStats(zeros + 1, zeros), StatsSpec())
     assert bool(calls) == (order == "vocab_outer")
 
 

@@ -5,7 +5,8 @@ print the table, write JSON and a PNG.
              [--repeats 5] [--json PATH] [--plot PATH] [--out DIR] [--compile-only] ...
     ce-bench aot --target v4|v5e|v5p|v6e [--shapes ...] [--dtype bfloat16] ...
     ce-bench schedule --target v5e|v5p|v6e|tpu7x [--shapes ...] [--kernels forward,backward] ...
-    ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8] [--calls wrapper,explicit,auto] [--time REPEATS]
+    ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8]
+                      [--calls wrapper,explicit,auto] [--time REPEATS]
     ce-bench report RESULTS.json [...] [--plot PATH] [--format markdown]
     ce-bench list
 """

@@ -69,7 +69,8 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
         points = grid_points(cfg)
         traces = {point: _measure_grid(job, small_grid(cfg, *point), device, profile_dir) for point in points}
     except Exception as error:
-        record.error = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+        message = str(error).strip()
+        record.error = f"{type(error).__name__}: {message.splitlines()[0][:300] if message else ''}"
         record.compile_s = time.perf_counter() - start
         return record
     finally:
