@@ -119,7 +119,7 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
             z_sc[cur] = common.matmul(x_ref[...], w_ref[...], cfg.precision)
             taken = _update(z_sc[prev], (block - 1) * cfg.vb, y_ref[...], read_state(), cfg, may_be_last=False)
             fresh = initial_state()
-            write_state(tuple(None if t is None else jnp.where(j == 0, f, t)
+            write_state(tuple(None if t is None or f is None else jnp.where(j == 0, f, t)
                               for t, f in zip(taken, fresh, strict=True)))
 
         pl.when((j % 2 == 0) & in_range)(lambda: step(0, 1))
@@ -169,9 +169,9 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     def _finish():
         lse_ref[...] = m_sc[...] + jnp.log(l_sc[...])
         label_ref[...] = label_sc[...]
-        if sum_ref is not None:
+        if sum_ref is not None and sum_sc is not None:
             sum_ref[...] = sum_sc[...]
-        if expected_ref is not None:
+        if expected_ref is not None and weighted_sc is not None:
             expected_ref[...] = weighted_sc[...] / l_sc[...]
 
 

@@ -92,17 +92,18 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
                    else (cfg.num_cores, cfg.nv_per_core, cfg.nb))
     record.cores = cfg.num_cores
     record.steps_per_core = steps
-    record.cycles_per_step = cycles_fit.total(cfg.nb, cfg.nv_per_core) / steps
+    cycles_per_step = cycles_fit.total(cfg.nb, cfg.nv_per_core) / steps
+    record.cycles_per_step = cycles_per_step
     interior = cycles_fit.interior()
     record.interior_cycles_per_step = None if interior is None else interior / inner
     record.bundles_per_step = per_step("bundles")
     record.vmatmuls_per_step = per_step("vmatmuls")
     record.hbm_bytes_per_step = per_step("hbm_bytes")
     record.mxu_cycles_per_step = mxu
-    record.ratio = record.cycles_per_step / mxu
+    record.ratio = cycles_per_step / mxu
     record.hbm_us_per_step = record.hbm_bytes_per_step / chip.hbm_bytes_per_s * 1e6
     record.mxu_us_per_step = mxu / chip.clock_hz * 1e6
-    record.step_us = record.cycles_per_step / chip.clock_hz * 1e6
+    record.step_us = cycles_per_step / chip.clock_hz * 1e6
     record.kernel_us = record.step_us * steps
     record.hbm_floor_us = record.hbm_us_per_step * steps
     flops = 2 * len(kernel_matmuls(job.kernel, cfg.b, cfg.hp, cfg.vb)) * cfg.n * cfg.hp * cfg.v
