@@ -251,6 +251,20 @@ def main_schedule(argv: Sequence[str]) -> int:
     return 0 if not any(record.get("error") for record in records) else 2
 
 
+def _parse_meshes(spec: str) -> list[tuple[int, int]]:
+    """``--meshes``: comma-separated ``DATAxVOCAB`` pairs of positive integers."""
+    meshes = []
+    for item in spec.split(","):
+        try:
+            data, vocab = (int(part) for part in item.strip().lower().split("x"))
+        except ValueError:  # not two parts, or not integers
+            data = vocab = 0
+        if min(data, vocab) < 1:
+            raise ValueError(f"--meshes must be DATAxVOCAB pairs of positive integers, got {spec!r}")
+        meshes.append((data, vocab))
+    return meshes
+
+
 def main_sharding(argv: Sequence[str]) -> int:
     """``ce-bench sharding``: per-device temporary memory of the sharded loss on simulated CPU meshes
     (:mod:`ce_bench.sharded_memory`; compile only)."""
@@ -279,9 +293,7 @@ def main_sharding(argv: Sequence[str]) -> int:
     try:
         shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False)
         dtype = presets.parse_dtypes(args.dtype)[0]
-        meshes = [tuple(int(part) for part in item.lower().split("x")) for item in args.meshes.split(",")]
-        if any(len(mesh) != 2 or min(mesh) < 1 for mesh in meshes):
-            raise ValueError(f"--meshes must be DATAxVOCAB pairs, got {args.meshes!r}")
+        meshes = _parse_meshes(args.meshes)
         calls = [c.strip() for c in args.calls.split(",") if c.strip()]
         unknown = sorted(set(calls) - set(sharded_memory.CALLS))
         if unknown or not calls:

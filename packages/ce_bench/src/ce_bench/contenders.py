@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,10 @@ import ce_core
 from ce_bench import objectives
 
 TOKAMAX_PREFIX = "tokamax:"
-TOKAMAX_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "chunked_xla", "mosaic_tpu")
+TokamaxImplementation = Literal["xla", "chunked_xla", "mosaic_tpu"]
+TokamaxReduction = Literal["mean", "sum", "none"]
+TOKAMAX_IMPLEMENTATIONS: tuple[TokamaxImplementation, ...] = ("xla", "chunked_xla", "mosaic_tpu")
+TOKAMAX_REDUCTIONS: tuple[TokamaxReduction, ...] = ("mean", "sum", "none")
 
 LossFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -71,6 +74,8 @@ class Contender:
         if self.is_tokamax:
             if reduction == "rl":
                 raise ce_core.UnsupportedError("tokamax has no per-token log-probability or entropy API")
+            if reduction not in TOKAMAX_REDUCTIONS:
+                raise ValueError(f"unknown reduction {reduction!r} for tokamax; known: {list(TOKAMAX_REDUCTIONS)}")
             implementation = self.tokamax_implementation
             if implementation not in TOKAMAX_IMPLEMENTATIONS:
                 raise ValueError(f"unknown tokamax implementation {implementation!r}; "

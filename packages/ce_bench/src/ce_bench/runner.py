@@ -92,9 +92,9 @@ class Progress:
 
 def device_description(device: Any | None = None) -> str:
     """``'cpu: cpu (2 cores)'``, ``'gpu: NVIDIA H100'``, ``'tpu: TPU v5 lite'``."""
-    device = device or jax.devices()[0]
-    text = f"{device.platform}: {device.device_kind}"
-    if device.platform == "cpu":
+    described = jax.devices()[0] if device is None else device
+    text = f"{described.platform}: {described.device_kind}"
+    if described.platform == "cpu":
         text += f" ({os.cpu_count()} cores)"
     return text
 

@@ -50,7 +50,8 @@ def _tiles(record: dict[str, Any]) -> str:
 
 def _dtypes(record: dict[str, Any]) -> str:
     short = {"bfloat16": "bf16", "float32": "f32"}
-    x, w = (short.get(record[key], record[key]) for key in ("x_dtype", "w_dtype"))
+    names: list[str] = [record["x_dtype"], record["w_dtype"]]
+    x, w = (short.get(name, name) for name in names)
     return x if x == w else f"{x}/{w}"
 
 
