@@ -210,3 +210,75 @@ def test_sharding_on_a_tpu_topology_compiles_without_a_tpu(tmp_path: Path, monke
     for backend in ("pallas_tpu", "xla"):
         assert records[backend, "explicit"]["status"] == "ok" and records[backend, "explicit"]["temp_bytes"] > 0
         assert "UnsupportedError" in records[backend, "auto"]["status"]  # deviceless automatic sharding, said early
+
+
+# --- the command line's contract: help, usage errors, exit statuses ------------------------------
+
+SUBCOMMAND_NAMES = ("run", "aot", "schedule", "sharding", "report", "list")
+
+
+def test_help_lists_every_subcommand_with_a_description(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    listed = {line.split()[0]: line for line in out.split("subcommands", 1)[1].splitlines()[1:] if line.strip()}
+    assert set(listed) == set(SUBCOMMAND_NAMES), listed
+    for name, line in listed.items():
+        assert len(line.split()) > 3, f"{name} has no description: {line!r}"
+    for name in SUBCOMMAND_NAMES:  # and each one listed answers its own --help
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([name, "--help"])
+        assert exit_info.value.code == 0
+        usage = capsys.readouterr().out
+        assert usage.startswith("usage: ce-bench" + ("" if name == "run" else f" {name}")), usage[:80]
+
+
+USAGE_ERRORS = [
+    (["--tokens", "-3"], ["--tokens", "positive integer", "'-3'"]),
+    (["--memory-budget", "-1"], ["--memory-budget", "positive number of GiB", "'-1'"]),
+    (["--memory-budget", "inf"], ["--memory-budget", "'inf'"]),
+    (["--repeats", "0"], ["--repeats", "positive integer", "'0'"]),
+    (["--warmup", "0"], ["--warmup", "positive integer"]),
+    (["--seed", "-1"], ["--seed", ">= 0"]),
+    (["--oracle-max-elements", "many"], ["--oracle-max-elements", "'many'"]),
+    (["--shapes", "12x3"], ["--shapes", "malformed shape '12x3'", "NxHxV"]),
+    (["--shapes", "small,nope"], ["--shapes", "unknown shape 'nope'"]),
+    (["--dtype", "float7"], ["--dtype", "unknown dtype 'float7'"]),
+    (["--backends", "reference,no_such_backend"], ["--backends", "unknown backend 'no_such_backend'", "reference"]),
+    (["run", "--tokens", "0"], ["--tokens", "positive integer"]),
+    (["aot", "--target", "v5p", "--tokens", "0"], ["--tokens", "positive integer"]),
+    (["aot", "--target", "v5p", "--backends", "xla,tokamax:nope"], ["--backends", "'tokamax:nope'"]),
+    (["schedule", "--target", "v5p", "--shapes", "12x3"], ["--shapes", "malformed shape '12x3'"]),
+    (["sharding", "--meshes", "2x"], ["--meshes", "DATAxVOCAB"]),
+    (["sharding", "--time", "-1"], ["--time", ">= 0"]),
+    (["sharding", "--backends", "no_such_backend"], ["--backends", "unknown backend 'no_such_backend'"]),
+    (["frobnicate"], ["unknown subcommand 'frobnicate'", "sharding"]),
+    (["list", "--shapes", "small"], ["unrecognized arguments"]),
+]
+
+
+@pytest.mark.parametrize("argv,expected", USAGE_ERRORS, ids=[" ".join(argv) for argv, _ in USAGE_ERRORS])
+def test_bad_arguments_are_usage_errors_that_name_the_flag(argv: list[str], expected: list[str],
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # `ce-bench aot` sets it; undone after the test
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.err.startswith("usage: ce-bench"), captured.err
+    message = captured.err.splitlines()[-1]
+    for fragment in expected:
+        assert fragment in message, (fragment, message)
+
+
+def test_exit_status_is_1_only_when_every_backend_row_fails(broken_backends: list[str],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    options = ["--shapes", "32x16x256", "--repeats", "1", "--no-floor", "--no-files", "--no-progress"]
+    assert cli.main([*options, "--backends", "bench_test_broken,bench_test_declines"]) == 1
+    captured = capsys.readouterr()
+    assert "broken at trace time" in captured.out and "cannot do V=256" in captured.out  # the table says why
+    assert "every backend failed or was unsupported" in captured.err
+    assert cli.main([*options, "--backends", "bench_test_broken,reference"]) == 0
+    assert "every backend" not in capsys.readouterr().err

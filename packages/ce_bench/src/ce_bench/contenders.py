@@ -194,6 +194,12 @@ def default_names(*, include_tokamax: bool = True) -> list[str]:
     return names
 
 
+def known_names() -> list[str]:
+    """Every name ``--backends`` accepts: the installed ce_core backends (whether or not they can run
+    here; those that cannot get a row that says why) and tokamax's implementations."""
+    return [*ce_core.installed_backends(), *(TOKAMAX_PREFIX + impl for impl in TOKAMAX_IMPLEMENTATIONS)]
+
+
 def parse_names(spec: str | None, *, include_tokamax: bool = True) -> list[str]:
     """Contender names from ``--backends`` (comma-separated; ``all`` or empty for the default).
 
