@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,7 +214,7 @@ def test_sharding_on_a_tpu_topology_compiles_without_a_tpu(tmp_path: Path, monke
         assert "UnsupportedError" in records[backend, "auto"]["status"]  # deviceless automatic sharding, said early
 
 
-# --- the command line's contract: help, usage errors, exit statuses ------------------------------
+# --- the command line's contract: help, usage errors, exit statuses, progress bar ---------------
 
 SUBCOMMAND_NAMES = ("run", "aot", "schedule", "sharding", "report", "list")
 
@@ -282,3 +284,30 @@ def test_exit_status_is_1_only_when_every_backend_row_fails(broken_backends: lis
     assert "every backend failed or was unsupported" in captured.err
     assert cli.main([*options, "--backends", "bench_test_broken,reference"]) == 0
     assert "every backend" not in capsys.readouterr().err
+
+
+def test_the_progress_bar_is_drawn_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, drawn in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        bar = runner.Progress(True, "progress-test")
+        bar.add(2)
+        bar.step("first")
+        bar.close()
+        assert ("progress-test" in stream.getvalue()) == drawn, stream.getvalue()
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    bar = runner.Progress(False, "progress-test")
+    bar.add(1)
+    bar.close()
+    assert terminal.getvalue() == ""  # --no-progress: nothing even on a terminal
+
+
+def test_a_run_with_stderr_redirected_draws_no_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--shapes", "32x16x256", "--backends", "reference", "--repeats", "1", "--no-floor",
+                     "--no-files"]) == 0  # no --no-progress: stderr (captured) is not a terminal
+    err = capsys.readouterr().err
+    assert "\r" not in err and "step/s" not in err and "ce-bench:" not in err, err

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,12 +62,22 @@ class _Planned:
     fwd_bwd: Any = None
 
 
+def stderr_is_terminal() -> bool:
+    """Whether ``sys.stderr`` (where tqdm draws) is a terminal: not a pipe, a file or a CI log."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
 class Progress:
-    """A tqdm bar (or nothing) whose total grows as the plan is made."""
+    """A tqdm bar (or nothing) whose total grows as the plan is made.
+
+    The bar is drawn only when ``enabled`` and stderr is a terminal: redirected to a file or a CI
+    log, its carriage-return redraws would only add noise.
+    """
 
     def __init__(self, enabled: bool, description: str = "ce-bench") -> None:
         self._bar = None
-        if enabled:
+        if enabled and stderr_is_terminal():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=0, desc=description, unit="step", dynamic_ncols=True, leave=False)
