@@ -311,3 +311,16 @@ def test_a_run_with_stderr_redirected_draws_no_bar(capsys: pytest.CaptureFixture
                      "--no-files"]) == 0  # no --no-progress: stderr (captured) is not a terminal
     err = capsys.readouterr().err
     assert "\r" not in err and "step/s" not in err and "ce-bench:" not in err, err
+
+
+def test_report_of_an_unreadable_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    not_a_list, not_json = tmp_path / "object.json", tmp_path / "garbage.json"
+    not_a_list.write_text('{"backend": "xla"}')
+    not_json.write_text("not json")
+    for path, fragment in ((tmp_path / "missing.json", "No such file"), (not_a_list, "not a JSON list"),
+                           (not_json, "Expecting value")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["report", str(path)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"cannot read records from {path}" in err and fragment in err, err

@@ -11,7 +11,8 @@ print the table, write JSON and a PNG.
     ce-bench list
 
 Exit status: 0 when something ran (or compiled), 2 for a usage error (an unknown subcommand or
-backend, a malformed or out-of-range option), 1 when every backend row failed or was unsupported.
+backend, a malformed or out-of-range option, an unreadable report file), 1 when every backend row
+failed or was unsupported (``schedule``: when any kernel could not be scheduled).
 """
 
 from __future__ import annotations
@@ -344,7 +345,10 @@ def main_schedule(argv: Sequence[str]) -> int:
         path.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
         print(f"\nJSON: {path}")
     print(f"\n{len(records)} rows in {time.perf_counter() - start:.0f} s")
-    return 0 if not any(record.get("error") for record in records) else 2
+    if any(record.get("error") for record in records):
+        print("ce-bench schedule: some kernels could not be scheduled (their rows say why)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _parse_meshes(spec: str) -> list[tuple[int, int]]:
@@ -437,7 +441,12 @@ def main_report(argv: Sequence[str]) -> int:
     from ce_bench import report
     from ce_bench.records import read_json
 
-    records = [record for path in args.paths for record in read_json(path)]
+    records = []
+    for path in args.paths:
+        try:
+            records += read_json(path)
+        except (OSError, ValueError, TypeError) as error:  # missing, not JSON, or not a list of records
+            parser.error(f"cannot read records from {path}: {error}")
     timed = any(record.fwd_bwd_ms is not None for record in records)
     print((report.run_table if timed else report.compile_table)(records, args.format))
     if args.plot:
