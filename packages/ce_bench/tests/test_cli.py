@@ -192,7 +192,7 @@ def test_report_subcommand_rerenders_json(tmp_path: Path, capsys: pytest.Capture
 def test_rl_objective_runs_and_matches_the_log_probs_oracle(tmp_path: Path) -> None:
     json_path = tmp_path / "rl.json"
     assert cli.main(["--shapes", "64x32x512", "--backends", "reference,xla,tokamax:xla", "--objective", "rl",
-                     "--repeats", "1", "--json", str(json_path), "--no-progress"]) == 0
+                     "--repeats", "1", "--json", str(json_path), "--no-files", "--no-progress"]) == 0
     records = {r["backend"]: r for r in json.loads(json_path.read_text())}
     for name in ("reference", "xla"):
         assert records[name]["status"] == "ok" and records[name]["reduction"] == "rl"
