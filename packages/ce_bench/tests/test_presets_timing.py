@@ -12,7 +12,8 @@ from ce_bench.records import Record, classify, short_reason
 def test_presets_reduce_n_on_cpu_and_say_so() -> None:
     (llama,) = presets.parse_shapes("llama3-8b", reduced_for_cpu=True)
     assert (llama.h, llama.v) == (4096, 128256)
-    assert llama.n == presets.PRESETS["llama3-8b"].cpu_n < presets.PRESETS["llama3-8b"].n
+    cpu_n = presets.PRESETS["llama3-8b"].cpu_n
+    assert cpu_n is not None and llama.n == cpu_n < presets.PRESETS["llama3-8b"].n
     assert "reduced" in llama.note and "8192" in llama.note
     (full,) = presets.parse_shapes("llama3-8b", reduced_for_cpu=False)
     assert full.n == 8192 and not full.note

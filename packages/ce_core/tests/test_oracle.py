@@ -10,11 +10,14 @@ import itertools
 
 import numpy as np
 import pytest
+
 from ce_core.testing import log_probs_oracle, max_rel_error, oracle, random_problem
 
 OPTIONS = [
     dict(reduction=r, logsumexp_weight=lam, logit_soft_cap=cap, label_smoothing=eps, temperature=t)
-    for r, lam, cap, eps, t in itertools.product(("mean", "sum", "none"), (0.0, 0.01), (None, 1.5), (0.0, 0.2), (1.0, 0.7))
+    for r, lam, cap, eps, t in itertools.product(
+        ("mean", "sum", "none"), (0.0, 0.01), (None, 1.5), (0.0, 0.2), (1.0, 0.7)
+    )
 ]
 
 
@@ -32,12 +35,14 @@ def test_gradients_match_finite_differences(options):
 
     result = oracle(x, labels, w, weights=weights, cotangent=cotangent, **options)
     step = 1e-6
-    for name, value, gradient in (("x", x, result["dx"]), ("w", w, result["dw"]), ("weights", weights, result["dweights"])):
+    gradients = (("x", x, result["dx"]), ("w", w, result["dw"]), ("weights", weights, result["dweights"]))
+    for name, value, gradient in gradients:
         direction = rng.standard_normal(value.shape)
         args = {"x": x, "w": w, "weights": weights}
         plus = dict(args, **{name: value + step * direction})
         minus = dict(args, **{name: value - step * direction})
-        numeric = (objective(plus["x"], plus["w"], plus["weights"]) - objective(minus["x"], minus["w"], minus["weights"])) / (2 * step)
+        numeric = (objective(plus["x"], plus["w"], plus["weights"])
+                   - objective(minus["x"], minus["w"], minus["weights"])) / (2 * step)
         analytic = float(np.sum(gradient * direction))
         assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (name, numeric, analytic)
 
@@ -77,7 +82,8 @@ def test_log_probs_oracle_from_the_textbook():
     p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     counted = labels != -100
     result = log_probs_oracle(x, labels, w, temperature=0.8)
-    np.testing.assert_allclose(result["logp"][counted], np.log(p[np.arange(9), np.where(counted, labels, 0)][counted]), rtol=1e-12)
+    label_p = p[np.arange(9), np.where(counted, labels, 0)]
+    np.testing.assert_allclose(result["logp"][counted], np.log(label_p[counted]), rtol=1e-12)
     np.testing.assert_allclose(result["entropy"][counted], -(p * np.log(p)).sum(-1)[counted], rtol=1e-12)
     assert not result["logp"][~counted].any() and not result["entropy"][~counted].any()
 

@@ -7,14 +7,15 @@ import subprocess
 import sys
 import warnings
 from types import MappingProxyType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 import ce_core
-from ce_core import Backend, FallbackWarning, RowStats, UnsupportedError, linear_cross_entropy
-from ce_core import registry
+from ce_core import Backend, FallbackWarning, RowStats, UnsupportedError, linear_cross_entropy, registry
 from ce_core.testing import random_problem
 from ce_reference import row_stats as reference_row_stats
 
@@ -116,7 +117,8 @@ def test_single_name_raises_that_backends_error(temporary_backends):
 def test_fallback_chain_warns_once_and_uses_next(temporary_backends):
     temporary_backends(Refusing("picky"))
     counting = temporary_backends(Counting("counting"))
-    with pytest.warns(FallbackWarning, match=r"backend 'picky' cannot run this call \(too picky.*falling back to 'counting'"):
+    message = r"backend 'picky' cannot run this call \(too picky.*falling back to 'counting'"
+    with pytest.warns(FallbackWarning, match=message):
         loss = linear_cross_entropy(X, LABELS, W, implementation=("picky", "counting"))
     assert counting.calls == 1
     expected = linear_cross_entropy(X, LABELS, W, implementation="reference")
@@ -184,9 +186,12 @@ def test_register_backend_refuses_duplicates_and_non_backends(temporary_backends
     temporary_backends(Counting("dup"))
     with pytest.raises(ValueError, match="already registered"):
         ce_core.register_backend("dup", lambda: Counting("dup"))
-    ce_core.register_backend("not-a-backend", lambda: object())
+    def not_a_backend() -> Any:  # deliberately not a BackendFactory: the registry must refuse it
+        return object()
+
+    ce_core.register_backend("not-a-backend", not_a_backend)
     try:
-        with pytest.raises(TypeError, match="returned object, not a ce_core.Backend"):
+        with pytest.raises(TypeError, match=r"returned object, not a ce_core\.Backend"):
             ce_core.get_backend("not-a-backend")
     finally:
         ce_core.unregister_backend("not-a-backend")

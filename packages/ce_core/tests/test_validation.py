@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 import ce_core
 from ce_core import BlockSizes, linear_cross_entropy
 from ce_core.testing import random_problem
@@ -13,8 +16,9 @@ from ce_core.testing import random_problem
 X, LABELS, W = random_problem(0, (4, 6), 16, 33)
 
 
-def call(**overrides):
-    args = dict(x=X, labels=LABELS, w=W, implementation="reference")
+def call(**overrides: Any):
+    # Any: the overrides are deliberately of the wrong type or shape; the checks must name them.
+    args: dict[str, Any] = dict(x=X, labels=LABELS, w=W, implementation="reference")
     args.update(overrides)
     return linear_cross_entropy(args.pop("x"), args.pop("labels"), args.pop("w"), **args)
 
@@ -90,8 +94,8 @@ def test_block_sizes_is_frozen_and_hashable():
 
 
 def test_accepts_python_lists_and_int64_labels():
-    loss = linear_cross_entropy([[1.0, 0.0], [0.0, 1.0]], np.array([0, 1], np.int64), jnp.eye(2),
-                                implementation="reference")
+    nested_lists: Any = [[1.0, 0.0], [0.0, 1.0]]  # accepted at run time, though not a jax ArrayLike
+    loss = linear_cross_entropy(nested_lists, np.array([0, 1], np.int64), jnp.eye(2), implementation="reference")
     expected = np.log(1 + np.e) - 1  # each row: logits (1, 0), label logit 1
     np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
 

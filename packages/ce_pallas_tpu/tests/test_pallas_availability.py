@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import warnings
 
-import ce_core
 import jax
 import numpy as np
 import pytest
+
+import ce_core
 from ce_core.testing import random_problem
 
 

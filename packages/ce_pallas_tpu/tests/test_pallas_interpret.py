@@ -12,12 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy
-from ce_core.testing import Case, compare_with_oracle, random_problem
-from ce_reference import row_stats as reference_row_stats
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import ce_pallas_tpu
+from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy
+from ce_core.testing import Case, compare_with_oracle, random_problem
+from ce_reference import row_stats as reference_row_stats
+
+
+def _races_found() -> bool:
+    """Whether the interpreter's race detection (on in the ``interpret`` fixture) saw a race."""
+    races = interpret_pallas_call.races
+    assert races is not None, "race detection is off"
+    return races.races_found
+
 
 ALL_FEATURES = Case(logsumexp_weight=1e-3, logit_soft_cap=2.0, label_smoothing=0.1)
 
@@ -43,7 +51,7 @@ def test_parity_with_oracle(interpret, target, batch_shape, hidden, vocab, dtype
     interpret(target)
     x, labels, w = random_problem(11, batch_shape, hidden, vocab)
     compare_with_oracle("pallas_tpu", case, x, labels, w, dtype=dtype, block_sizes=blocks)
-    assert not interpret_pallas_call.races.races_found
+    assert not _races_found()
 
 
 @pytest.mark.parametrize("target", ["v5e", "v5p"])
@@ -77,13 +85,13 @@ def test_row_stats_and_vjp_match_the_reference(interpret, target, blocks):
     assert np.all(np.asarray(ours.label)[:5] == 0.0)
     rng = np.random.default_rng(0)
     cotangent = RowStats(*(jnp.asarray(rng.standard_normal(77), jnp.float32) for _ in range(4)))
-    for ours_grad, their_grad in zip(our_vjp(cotangent), their_vjp(cotangent)):
+    for ours_grad, their_grad in zip(our_vjp(cotangent), their_vjp(cotangent), strict=True):
         np.testing.assert_allclose(ours_grad, their_grad, rtol=1e-4, atol=2e-5)
     # The contract's backward-only entry point, from the statistics alone.
     direct = backend.row_stats_vjp(x, w, labels, ours, cotangent, spec)
-    for direct_grad, their_grad in zip(direct, their_vjp(cotangent)):
+    for direct_grad, their_grad in zip(direct, their_vjp(cotangent), strict=True):
         np.testing.assert_allclose(direct_grad, their_grad, rtol=1e-4, atol=2e-5)
-    assert not interpret_pallas_call.races.races_found
+    assert not _races_found()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -132,7 +140,7 @@ def test_generic_interpreter_works_under_checkpoint(monkeypatch):
 
     grads = jax.jit(jax.grad(jax.checkpoint(loss("pallas_tpu")), argnums=(0, 1)))(x, w)
     expected = jax.grad(loss("reference"), argnums=(0, 1))(x, w)
-    for ours, theirs in zip(grads, expected):
+    for ours, theirs in zip(grads, expected, strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
 
 

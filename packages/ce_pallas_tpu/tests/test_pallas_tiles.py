@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
-from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
 
 import ce_pallas_tpu
+from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
 from ce_pallas_tpu import block_sizes as tiling
 from ce_pallas_tpu import vmem
 from ce_pallas_tpu.ops import problem_shape
@@ -15,11 +15,15 @@ from ce_pallas_tpu.target import CHIP_FACTS, Target, active_cores, current_targe
 GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 
 
+#: The default statistics: a plain loss (no logit sum, no expected logit).
+PLAIN = StatsSpec()
+
+
 def _target(generation: str) -> Target:
     return Target(generation, CHIP_FACTS[generation].num_cores, None)
 
 
-def _shape(n, h, v, dtype=jnp.bfloat16, spec=StatsSpec()):
+def _shape(n, h, v, dtype=jnp.bfloat16, spec=PLAIN):
     return problem_shape(n, h, v, dtype, dtype, spec)
 
 
@@ -140,7 +144,7 @@ def test_every_active_core_gets_a_vocab_block(cores, blocks, expected):
     assert active_cores(cores, blocks) == expected
 
 
-def _problem(n=512, h=256, v=1000, dtype=jnp.float32, spec=StatsSpec()):
+def _problem(n=512, h=256, v=1000, dtype=jnp.float32, spec=PLAIN):
     return Problem(n, h, v, jnp.dtype(dtype), jnp.dtype(dtype), spec)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import ce_core
 from ce_core.testing import oracle, random_problem
 from ce_reference import ReferenceBackend, make_backend
@@ -23,6 +24,7 @@ def test_row_stats_match_the_oracle_with_cap_and_sum():
     logits = 3.0 * np.tanh((x.astype(np.float64) @ w.astype(np.float64)) / 3.0)
     np.testing.assert_allclose(stats.lse, oracle(x, labels, w, logit_soft_cap=3.0)["lse"], rtol=1e-6)
     np.testing.assert_allclose(stats.label, logits[np.arange(19), labels], rtol=1e-5, atol=1e-6)
+    assert stats.sum is not None  # asked for with with_sum=True
     np.testing.assert_allclose(stats.sum, logits.sum(-1), rtol=1e-5, atol=1e-4)
 
 
@@ -34,9 +36,11 @@ def test_temporaries_hold_the_full_logits():
 
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
         jax.ShapeDtypeStruct((n, h), jnp.float32), jax.ShapeDtypeStruct((h, v), jnp.float32)).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes >= 4 * n * v
+    memory = compiled.memory_analysis()
+    assert memory is not None and memory.temp_size_in_bytes >= 4 * n * v
 
 
 def test_reference_has_no_block_sizes_to_report():
-    problem = ce_core.Problem(8, 4, 16, jnp.float32, jnp.float32, ce_core.StatsSpec())
+    f32 = jnp.dtype(jnp.float32)
+    problem = ce_core.Problem(8, 4, 16, f32, f32, ce_core.StatsSpec())
     assert make_backend().block_sizes_for(problem) is None

@@ -2,24 +2,35 @@
 
 from __future__ import annotations
 
-import ce_core
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ce_core
+from ce_xla import XlaBackend
+
+F32 = jnp.dtype(jnp.float32)
+
+
+def xla_backend() -> XlaBackend:
+    """The backend the registry gives for "xla" (the one calls use)."""
+    backend = ce_core.get_backend("xla")
+    assert isinstance(backend, XlaBackend)
+    return backend
+
 
 def test_block_sizes_for_reports_the_chunk_plan():
-    backend = ce_core.get_backend("xla")
+    backend = xla_backend()
     spec = ce_core.StatsSpec(block_sizes=ce_core.BlockSizes(b_block_size=64, v_block_size=256))
-    plan = backend.block_sizes_for(ce_core.Problem(1000, 32, 3001, jnp.float32, jnp.float32, spec))
+    plan = backend.block_sizes_for(ce_core.Problem(1000, 32, 3001, F32, F32, spec))
     assert (plan.token_chunk, plan.vocab_chunk) == (64, 256)
     assert plan == backend.plan(1000, 32, 3001, spec)
 
 
 @pytest.mark.parametrize("dtype,order", [(jnp.float32, "tokens_outer"), (jnp.bfloat16, "vocab_outer")])
 def test_block_sizes_for_reports_the_gradient_order_of_the_dtypes(dtype, order):
-    backend = ce_core.get_backend("xla")
+    backend = xla_backend()
     problem = ce_core.Problem(8192, 4096, 128256, jnp.dtype(dtype), jnp.dtype(dtype), ce_core.StatsSpec())
     assert backend.block_sizes_for(problem).gradient_order == order
 
@@ -30,7 +41,7 @@ def test_block_sizes_for_plans_for_the_tpu_being_compiled_for():
 
     device = topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu").devices[0]
     problem = ce_core.Problem(8192, 4096, 128256, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16), ce_core.StatsSpec())
-    backend = ce_core.get_backend("xla")
+    backend = xla_backend()
     on_cpu = backend.block_sizes_for(problem)
     with jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array([device]), ("aot",)).abstract_mesh):
         on_tpu = backend.block_sizes_for(problem)

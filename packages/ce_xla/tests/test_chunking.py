@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ce_core import BlockSizes, StatsSpec, linear_cross_entropy
 from ce_xla import LOGITS_BUDGET_BYTES, XlaBackend, gradient_order, plan_chunks
 from ce_xla.chunking import MIN_GRAD_CHUNK, MIN_GRAD_TOKEN_CHUNK

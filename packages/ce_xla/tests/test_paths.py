@@ -14,15 +14,18 @@ V = 1000 or 3001 are divided by none of the chunks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy, linear_log_probs
 from ce_core.registry import register_backend, unregister_backend
 from ce_core.testing import Case, compare_with_oracle, log_probs_oracle, max_rel_error, random_problem
 from ce_xla import XlaBackend
-
 
 ORDERS = ("tokens_outer", "vocab_outer")
 # chunking -> (backend options, block sizes); N = 50 tokens, V = 1000 or 3001 in the tests below.
@@ -49,8 +52,31 @@ def mode(request):
     unregister_backend(name)
 
 
-def float64_stats(x, w, labels, cap, cotangent=None):
-    """Row statistics of ``cap(x @ w)`` in float64, and ``dx, dw`` for ``cotangent`` (a RowStats)."""
+class Float64Stats(NamedTuple):
+    """The row statistics of :class:`ce_core.RowStats`, as float64 NumPy arrays."""
+
+    lse: np.ndarray
+    label: np.ndarray
+    sum: np.ndarray
+
+
+def float64_stats(x, w, labels, cap) -> Float64Stats:
+    """Row statistics of ``cap(x @ w)`` in float64."""
+    return _float64(x, w, labels, cap)[0]
+
+
+def float64_grads(x, w, labels, cap, cotangent: Sequence[Any]) -> tuple[Float64Stats, np.ndarray, np.ndarray]:
+    """Row statistics and ``dx, dw`` for ``cotangent`` (of the lse, label logit and sum) in float64."""
+    stats, raw, z, one_hot = _float64(x, w, labels, cap)
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    g = [np.asarray(c, np.float64) for c in cotangent]
+    delta = g[0][:, None] * np.exp(z - stats.lse[:, None]) + g[1][:, None] * one_hot + g[2][:, None]
+    if cap is not None:
+        delta = delta * (1.0 - np.tanh(raw / cap) ** 2)
+    return stats, delta @ w.T, x.T @ delta
+
+
+def _float64(x, w, labels, cap) -> tuple[Float64Stats, np.ndarray, np.ndarray, np.ndarray]:
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     raw = x @ w
     z = raw if cap is None else cap * np.tanh(raw / cap)
@@ -59,14 +85,8 @@ def float64_stats(x, w, labels, cap, cotangent=None):
     vocab = w.shape[1]
     in_vocab = (labels >= 0) & (labels < vocab)
     one_hot = (np.arange(vocab)[None, :] == labels[:, None]).astype(np.float64)  # all 0 outside [0, V)
-    stats = RowStats(lse, np.where(in_vocab, (z * one_hot).sum(1), 0.0), z.sum(1))
-    if cotangent is None:
-        return stats
-    g = [np.asarray(c, np.float64) for c in cotangent]
-    delta = g[0][:, None] * np.exp(z - lse[:, None]) + g[1][:, None] * one_hot + g[2][:, None]
-    if cap is not None:
-        delta = delta * (1.0 - np.tanh(raw / cap) ** 2)
-    return stats, delta @ w.T, x.T @ delta
+    stats = Float64Stats(lse, np.where(in_vocab, (z * one_hot).sum(1), 0.0), z.sum(1))
+    return stats, raw, z, one_hot
 
 
 def problem(vocab, dtype, seed=0):
@@ -95,7 +115,7 @@ def test_row_stats_vjp_matches_float64(mode, vocab, dtype, cap):
 
     stats, (dx, dw) = run(x, w, cotangent)
     x32, w32 = np.asarray(x.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
-    expected, dx64, dw64 = float64_stats(x32, w32, np.asarray(labels), cap, cotangent)
+    expected, dx64, dw64 = float64_grads(x32, w32, np.asarray(labels), cap, cotangent)
     tol = TOLERANCE[dtype]
     for name in ("lse", "label", "sum"):
         check(getattr(stats, name), getattr(expected, name), 1e-5, name)
@@ -111,7 +131,8 @@ def test_row_stats_and_grads_matches_float64(mode, vocab, dtype, cap):
     x, labels, w = problem(vocab, dtype, seed=2)
     spec = StatsSpec(logit_soft_cap=cap, with_sum=True, block_sizes=block_sizes)
     rng = np.random.default_rng(3)
-    params = {"a": jnp.asarray(rng.uniform(0.5, 2, 50), jnp.float32), "b": jnp.asarray(rng.standard_normal(50), jnp.float32)}
+    params = {"a": jnp.asarray(rng.uniform(0.5, 2, 50), jnp.float32),
+              "b": jnp.asarray(rng.standard_normal(50), jnp.float32)}
 
     def cotangent_fn(stats, p):  # depends on the chunk's own statistics, as ce_core's does
         return RowStats(p["a"] * (1.0 + 0.1 * stats.lse), p["b"] * jnp.tanh(stats.label), -0.01 * p["a"])
@@ -120,8 +141,8 @@ def test_row_stats_and_grads_matches_float64(mode, vocab, dtype, cap):
     x32, w32 = np.asarray(x.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
     expected = float64_stats(x32, w32, np.asarray(labels), cap)
     a, b = (np.asarray(params[k], np.float64) for k in "ab")
-    cotangent = RowStats(a * (1.0 + 0.1 * expected.lse), b * np.tanh(expected.label), -0.01 * a)
-    _, dx64, dw64 = float64_stats(x32, w32, np.asarray(labels), cap, cotangent)
+    cotangent = (a * (1.0 + 0.1 * expected.lse), b * np.tanh(expected.label), -0.01 * a)
+    _, dx64, dw64 = float64_grads(x32, w32, np.asarray(labels), cap, cotangent)
     for name in ("lse", "label", "sum"):
         check(getattr(stats, name), getattr(expected, name), 1e-5, name)
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
@@ -140,14 +161,15 @@ def test_row_stats_vjp_from_a_global_lse_matches_float64(mode, dtype):
     lse = float64_stats(x32, w32, np.asarray(labels), 3.0).lse
     rng = np.random.default_rng(10)
     cotangent = RowStats(*(jnp.asarray(rng.standard_normal(50), jnp.float32) for _ in range(3)))
-    dx, dw = jax.jit(lambda a, b, l: backend.row_stats_vjp(a, b, labels, RowStats(l, l), cotangent, spec))(
+    dx, dw = jax.jit(lambda a, b, s: backend.row_stats_vjp(a, b, labels, RowStats(s, s), cotangent, spec))(
         x, w, jnp.asarray(lse, jnp.float32))
     # The shard's share: softmax against the global lse; labels >= 1000 belong to other shards.
     raw = x32.astype(np.float64) @ w32[:, :1000]
     z = 3.0 * np.tanh(raw / 3.0)
     one_hot = (np.arange(1000)[None, :] == np.asarray(labels)[:, None]).astype(np.float64)
     g = [np.asarray(c, np.float64) for c in cotangent]
-    delta = (g[0][:, None] * np.exp(z - lse[:, None]) + g[1][:, None] * one_hot + g[2][:, None]) * (1 - np.tanh(raw / 3.0) ** 2)
+    delta = ((g[0][:, None] * np.exp(z - lse[:, None]) + g[1][:, None] * one_hot + g[2][:, None])
+             * (1 - np.tanh(raw / 3.0) ** 2))
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
     check(dx, delta @ w32[:, :1000].T, TOLERANCE[dtype], "dx")
     check(dw, x32.T @ delta, TOLERANCE[dtype], "dw")
@@ -201,20 +223,25 @@ def test_log_probs_and_entropy_match_oracle(mode, dtype):
 def test_the_two_paths_agree(mode):
     name, _, block_sizes = mode
     x, labels, w = random_problem(5, (50,), 40, 1000)
-    options = dict(implementation=name, block_sizes=block_sizes, label_smoothing=0.1, logit_soft_cap=3.0)
-    fused = jax.grad(lambda a, b: linear_cross_entropy(a, labels, b, reduction="sum", **options), (0, 1))(x, w)
-    general = jax.grad(lambda a, b: jnp.sum(linear_cross_entropy(a, labels, b, reduction="none", **options)), (0, 1))(x, w)
-    for f, g in zip(fused, general):
+
+    def loss(a, b, reduction):
+        return linear_cross_entropy(a, labels, b, reduction=reduction, implementation=name, block_sizes=block_sizes,
+                                    label_smoothing=0.1, logit_soft_cap=3.0)
+
+    fused = jax.grad(lambda a, b: loss(a, b, "sum"), (0, 1))(x, w)
+    general = jax.grad(lambda a, b: jnp.sum(loss(a, b, "none")), (0, 1))(x, w)
+    for f, g in zip(fused, general, strict=True):
         assert max_rel_error(f, g) < 1e-5
 
 
 @pytest.mark.parametrize("reduction,path", [("mean", "fused"), ("sum", "fused"), ("none", "general")])
 def test_each_reduction_takes_its_path(monkeypatch, reduction, path):
-    import ce_xla.backend as backend_module
+    import ce_xla.backward
+    import ce_xla.fused
 
     calls = []
-    for module, attr, tag in ((backend_module.fused, "row_stats_and_grads", "fused"),
-                              (backend_module.backward, "row_stats_grads", "general")):
+    for module, attr, tag in ((ce_xla.fused, "row_stats_and_grads", "fused"),
+                              (ce_xla.backward, "row_stats_grads", "general")):
         original = getattr(module, attr)
         monkeypatch.setattr(module, attr, lambda *a, _o=original, _t=tag, **k: calls.append(_t) or _o(*a, **k))
     x, labels, w = random_problem(6, (12,), 16, 30)
@@ -276,8 +303,8 @@ def test_every_entry_point_takes_the_planned_gradient_order(monkeypatch, no_fuse
     backend = XlaBackend()
     lse = backend.row_stats(*args[:1], args[1], jnp.asarray(np.maximum(labels, 0)), StatsSpec()).lse
     zeros = jnp.zeros(64, jnp.float32)
-    backend.row_stats_vjp(args[0], args[1], jnp.asarray(np.maximum(labels, 0)), RowStats(lse, zeros), RowStats(zeros + 1, zeros),
-                          StatsSpec())
+    backend.row_stats_vjp(args[0], args[1], jnp.asarray(np.maximum(labels, 0)), RowStats(lse, zeros),
+                          RowStats(zeros + 1, zeros), StatsSpec())
     assert bool(calls) == (order == "vocab_outer")
 
 

@@ -5,21 +5,28 @@ print the table, write JSON and a PNG.
              [--repeats 5] [--json PATH] [--plot PATH] [--out DIR] [--compile-only] ...
     ce-bench aot --target v4|v5e|v5p|v6e [--shapes ...] [--dtype bfloat16] ...
     ce-bench schedule --target v5e|v5p|v6e|tpu7x [--shapes ...] [--kernels forward,backward] ...
-    ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8] [--calls wrapper,explicit,auto] [--time REPEATS]
+    ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8]
+                      [--calls wrapper,explicit,auto] [--time REPEATS]
     ce-bench report RESULTS.json [...] [--plot PATH] [--format markdown]
     ce-bench list
+
+Exit status: 0 when something ran (or compiled), 2 for a usage error (an unknown subcommand or
+backend, a malformed or out-of-range option, an unreadable report file), 1 when every backend row
+failed or was unsupported (``schedule``: when any kernel could not be scheduled).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
+import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ce_bench import objectives, presets
 from ce_bench.memory import GIB
@@ -28,6 +35,58 @@ if TYPE_CHECKING:
     from ce_bench.records import Record
 
 DEFAULT_OUT = Path("bench-out")
+
+#: The subcommands, with the one-line description ``ce-bench --help`` lists; ``run`` is the default.
+SUBCOMMANDS: dict[str, str] = {
+    "run": "head-to-head run: time, memory and error of each backend (the default without a subcommand)",
+    "aot": "compile for a TPU generation without a TPU (libtpu): HBM temporaries and block sizes",
+    "schedule": "libtpu's static schedule of the pallas_tpu kernels per grid step (no TPU needed)",
+    "sharding": "per-device temporary memory of the sharded loss on simulated device meshes",
+    "report": "the table (and PNG) again, from JSON files of earlier runs",
+    "list": "presets and the backends available here",
+}
+
+#: Row statuses that mean a backend produced nothing: when every backend row has one, the exit status is 1.
+FAILED_STATUSES = ("failed", "unsupported")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_gib(text: str) -> float:
+    """argparse type: a finite number of GiB > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text!r}")
+    return value
+
+
+def _subcommand_list() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = [f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()]
+    return "subcommands ('ce-bench SUBCOMMAND --help' for the options of each):\n" + "\n".join(lines)
 
 
 def _common(parser: argparse.ArgumentParser, *, default_dtype: str, default_shapes: Sequence[str]) -> None:
@@ -38,7 +97,7 @@ def _common(parser: argparse.ArgumentParser, *, default_dtype: str, default_shap
     parser.add_argument("--shapes", default=None, metavar="S,T",
                         help=f"comma-separated presets ({', '.join(presets.PRESETS)}) or NxHxV "
                              f"(default: {','.join(default_shapes)})")
-    parser.add_argument("--tokens", type=int, default=None, metavar="N", help="override N of every preset")
+    parser.add_argument("--tokens", type=_positive_int, default=None, metavar="N", help="override N of every preset")
     parser.add_argument("--dtype", default=default_dtype, help=f"float32, bfloat16, float16; comma-separated "
                                                                f"for several (default: {default_dtype})")
     parser.add_argument("--objective", "--reduction", dest="reduction", default="mean", choices=objectives.OBJECTIVES,
@@ -51,35 +110,41 @@ def _common(parser: argparse.ArgumentParser, *, default_dtype: str, default_shap
                         help="directory for the JSON and PNG when --json/--plot are not given (default: bench-out)")
     parser.add_argument("--no-files", action="store_true", help="write no JSON or PNG unless --json/--plot say so")
     parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (there is none anyway when stderr is not a terminal)")
 
 
 def run_parser() -> argparse.ArgumentParser:
     """The parser of ``ce-bench`` (the head-to-head run)."""
+    description = ("Head-to-head bench of fused linear cross-entropy backends: forward and forward+backward "
+                   "time (interleaved, median), tokens/s, ratio to a matmul floor, temporary memory, and error "
+                   "against a float64 oracle. Exit status: 2 for a usage error, 1 when every backend row "
+                   "failed or was unsupported.")
     parser = argparse.ArgumentParser(
         prog="ce-bench",
-        description="Head-to-head bench of fused linear cross-entropy backends: forward and forward+backward "
-                    "time (interleaved, median), tokens/s, ratio to a matmul floor, temporary memory, and error "
-                    "against a float64 oracle. Subcommands: 'ce-bench aot --help' (TPU ahead-of-time report), "
-                    "'ce-bench list' (presets and backends).")
+        usage="ce-bench [SUBCOMMAND] [options]",
+        description=textwrap.fill(description, width=100),
+        epilog=_subcommand_list(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(parser, default_dtype="float32", default_shapes=presets.DEFAULT_RUN_SHAPES)
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per contender (default: 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per contender first (default: 1)")
+    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed rounds per contender (default: 5)")
+    parser.add_argument("--warmup", type=_positive_int, default=1,
+                        help="untimed calls per contender first (default: 1)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile and report memory only; execute nothing and refuse no shape for memory "
                              "(presets keep their full N)")
     parser.add_argument("--no-floor", action="store_true", help="do not time the matmul floor")
-    parser.add_argument("--oracle-max-elements", type=int, default=None, metavar="K",
+    parser.add_argument("--oracle-max-elements", type=_positive_int, default=None, metavar="K",
                         help="measure the error against the float64 oracle only when N*V <= K (default: 2**26)")
-    parser.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+    parser.add_argument("--memory-budget", type=_positive_gib, default=None, metavar="GIB",
                         help="refuse what would need more than this many GiB (default: 80%% of available memory)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the random inputs")
     return parser
 
 
 def aot_parser() -> argparse.ArgumentParser:
     """The parser of ``ce-bench aot``."""
-    from ce_bench.aot import TOPOLOGIES  # noqa: PLC0415
+    from ce_bench.aot import TOPOLOGIES
 
     parser = argparse.ArgumentParser(
         prog="ce-bench aot",
@@ -99,8 +164,8 @@ def _outputs(args: argparse.Namespace, stem: str) -> tuple[Path | None, Path | N
 
 def _emit(records: Sequence[Record], args: argparse.Namespace, stem: str, table: str, title: str) -> None:
     """Print the table and write the JSON and PNG where ``args`` say."""
-    from ce_bench.plot import plot  # noqa: PLC0415
-    from ce_bench.records import write_json  # noqa: PLC0415
+    from ce_bench.plot import plot
+    from ce_bench.records import write_json
 
     print(table)
     json_path, plot_path = _outputs(args, stem)
@@ -116,26 +181,55 @@ def _quiet_libraries() -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
 
 
+def _parse_shapes_and_dtypes(parser: argparse.ArgumentParser, args: argparse.Namespace, *, reduced_for_cpu: bool,
+                             default: tuple[str, ...]) -> tuple[list[presets.Shape], list[Any]]:
+    """``--shapes`` and ``--dtype``, or a usage error that names the flag."""
+    try:
+        shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=reduced_for_cpu, default=default,
+                                      tokens=args.tokens)
+    except ValueError as error:
+        parser.error(f"--shapes: {error}")
+    try:
+        dtypes = presets.parse_dtypes(args.dtype)
+    except ValueError as error:
+        parser.error(f"--dtype: {error}")
+    return shapes, dtypes
+
+
+def _check_backends(parser: argparse.ArgumentParser, names: Sequence[str], known: Sequence[str]) -> None:
+    """A usage error for names in ``--backends`` that are no backend at all (not merely unavailable here)."""
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"--backends: unknown backend{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                     f"known: {', '.join(known)}")
+
+
+def _all_failed(statuses: Sequence[str]) -> bool:
+    """Whether there were rows and every one of them failed or was unsupported."""
+    return bool(statuses) and all(status in FAILED_STATUSES for status in statuses)
+
+
+def _report_all_failed(command: str) -> int:
+    print(f"{command}: every backend failed or was unsupported (the table says why)", file=sys.stderr)
+    return 1
+
+
 def main_run(argv: Sequence[str]) -> int:
     """``ce-bench [options]``."""
     parser = run_parser()
     args = parser.parse_args(argv)
-    try:
-        dtypes = presets.parse_dtypes(args.dtype)
-        shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=not args.compile_only, tokens=args.tokens)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.repeats < 1 or args.warmup < 1:
-        parser.error("--repeats and --warmup must be >= 1")
+    shapes, dtypes = _parse_shapes_and_dtypes(parser, args, reduced_for_cpu=not args.compile_only,
+                                              default=presets.DEFAULT_RUN_SHAPES)
     _quiet_libraries()
 
-    import jax  # noqa: PLC0415
+    import jax
 
-    from ce_bench import accuracy, contenders, report, runner  # noqa: PLC0415
+    from ce_bench import accuracy, contenders, report, runner
 
     if jax.default_backend() != "cpu":  # presets were reduced for a CPU; use their full size here
         shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False, tokens=args.tokens)
     names = contenders.parse_names(args.backends)
+    _check_backends(parser, names, contenders.known_names())
     config = runner.RunConfig(
         shapes=shapes, dtypes=dtypes, names=names, reduction=args.reduction, repeats=args.repeats,
         warmup=args.warmup, compile_only=args.compile_only, measure_floor=not args.no_floor,
@@ -154,6 +248,8 @@ def main_run(argv: Sequence[str]) -> int:
     title = f"ce-bench on {runner.device_description()}" + (" (compile only)" if args.compile_only else "")
     _emit(records, args, "ce-bench-compile" if args.compile_only else "ce-bench", table, title)
     print(f"\n{len(records)} rows in {elapsed:.0f} s")
+    if _all_failed([record.status for record in records if record.kind == "backend"]):
+        return _report_all_failed("ce-bench")
     return 0
 
 
@@ -161,21 +257,18 @@ def main_aot(argv: Sequence[str]) -> int:
     """``ce-bench aot --target ...``."""
     parser = aot_parser()
     args = parser.parse_args(argv)
-    try:
-        dtypes = presets.parse_dtypes(args.dtype)
-        shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False, default=presets.DEFAULT_AOT_SHAPES,
-                                      tokens=args.tokens)
-    except ValueError as error:
-        parser.error(str(error))
+    shapes, dtypes = _parse_shapes_and_dtypes(parser, args, reduced_for_cpu=False, default=presets.DEFAULT_AOT_SHAPES)
     _quiet_libraries()
     # libtpu takes /tmp/libtpu_lockfile when JAX first initialises; any other JAX process on this
     # machine (a second bench, a test run) holds it and the topology call then fails. Compiling for
     # a topology that is not there touches no TPU, so several processes may load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-    from ce_bench import aot, contenders, report  # noqa: PLC0415
+    from ce_bench import aot, contenders, report
 
     names = None if args.backends is None else contenders.parse_names(args.backends)
+    if names is not None:
+        _check_backends(parser, names, contenders.known_names())
     print(f"ce-bench aot: compiling for TPU {args.target} ({aot.TOPOLOGIES[args.target]}) without a TPU\n", flush=True)
     start = time.perf_counter()
     try:
@@ -188,12 +281,14 @@ def main_aot(argv: Sequence[str]) -> int:
     _emit(records, args, f"aot-{args.target}", report.compile_table(records, args.format),
           f"ce-bench aot: TPU {args.target} (compiled without a TPU)")
     print(f"\n{len(records)} rows in {elapsed:.0f} s")
+    if _all_failed([record.status for record in records if record.kind == "backend"]):
+        return _report_all_failed("ce-bench aot")
     return 0
 
 
 def schedule_parser() -> argparse.ArgumentParser:
     """The parser of ``ce-bench schedule``."""
-    from ce_bench.schedule import DEFAULT_SCHEDULE_SHAPES, KERNELS, SCHEDULE_TARGETS  # noqa: PLC0415
+    from ce_bench.schedule import DEFAULT_SCHEDULE_SHAPES, KERNELS, SCHEDULE_TARGETS
 
     parser = argparse.ArgumentParser(
         prog="ce-bench schedule",
@@ -216,12 +311,15 @@ def schedule_parser() -> argparse.ArgumentParser:
 
 def main_schedule(argv: Sequence[str]) -> int:
     """``ce-bench schedule --target ...``."""
-    from ce_bench import schedule  # noqa: PLC0415
+    from ce_bench import schedule
 
     parser = schedule_parser()
     args = parser.parse_args(argv)
     try:
         shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False, default=schedule.DEFAULT_SCHEDULE_SHAPES)
+    except ValueError as error:
+        parser.error(f"--shapes: {error}")
+    try:
         x_dtype = presets.parse_dtypes(args.dtype)[0].name
         w_dtype = presets.parse_dtypes(args.w_dtype)[0].name if args.w_dtype else x_dtype
         kernels = [kernel.strip() for kernel in args.kernels.split(",") if kernel.strip()]
@@ -240,20 +338,38 @@ def main_schedule(argv: Sequence[str]) -> int:
     print()
     print(schedule.schedule_table(records, args.format))
     if args.json:
-        import json  # noqa: PLC0415
+        import json
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
         print(f"\nJSON: {path}")
     print(f"\n{len(records)} rows in {time.perf_counter() - start:.0f} s")
-    return 0 if not any(record.get("error") for record in records) else 2
+    if any(record.get("error") for record in records):
+        print("ce-bench schedule: some kernels could not be scheduled (their rows say why)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parse_meshes(spec: str) -> list[tuple[int, int]]:
+    """``--meshes``: comma-separated ``DATAxVOCAB`` pairs of positive integers."""
+    meshes = []
+    for item in spec.split(","):
+        try:
+            data, vocab = (int(part) for part in item.strip().lower().split("x"))
+        except ValueError:  # not two parts, or not integers
+            data = vocab = 0
+        if min(data, vocab) < 1:
+            raise ValueError(f"--meshes must be DATAxVOCAB pairs of positive integers, got {spec!r}")
+        meshes.append((data, vocab))
+    return meshes
 
 
 def main_sharding(argv: Sequence[str]) -> int:
     """``ce-bench sharding``: per-device temporary memory of the sharded loss on simulated CPU meshes
     (:mod:`ce_bench.sharded_memory`; compile only)."""
-    from ce_bench import sharded_memory  # noqa: PLC0415
+    import ce_core
+    from ce_bench import sharded_memory
 
     parser = argparse.ArgumentParser(
         prog="ce-bench sharding",
@@ -270,23 +386,26 @@ def main_sharding(argv: Sequence[str]) -> int:
     parser.add_argument("--topology", default=None, metavar="NAME",
                         help="compile for the devices of a deviceless TPU topology such as v5p:2x2x1 instead of "
                              "simulated CPU devices (libtpu; compile only)")
-    parser.add_argument("--time", type=int, default=0, metavar="REPEATS",
+    parser.add_argument("--time", type=_non_negative_int, default=0, metavar="REPEATS",
                         help="also run each compiled program REPEATS times on random inputs, interleaved "
                              "(0: compile only; the shapes must then fit this machine)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
     args = parser.parse_args(argv)
     try:
         shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False)
+    except ValueError as error:
+        parser.error(f"--shapes: {error}")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends:
+        parser.error("--backends needs at least one backend")
+    _check_backends(parser, backends, ce_core.installed_backends())
+    try:
         dtype = presets.parse_dtypes(args.dtype)[0]
-        meshes = [tuple(int(part) for part in item.lower().split("x")) for item in args.meshes.split(",")]
-        if any(len(mesh) != 2 or min(mesh) < 1 for mesh in meshes):
-            raise ValueError(f"--meshes must be DATAxVOCAB pairs, got {args.meshes!r}")
+        meshes = _parse_meshes(args.meshes)
         calls = [c.strip() for c in args.calls.split(",") if c.strip()]
         unknown = sorted(set(calls) - set(sharded_memory.CALLS))
         if unknown or not calls:
             raise ValueError(f"--calls must name some of {sharded_memory.CALLS}, got {args.calls!r}")
-        if args.time < 0:
-            raise ValueError(f"--time must be >= 0, got {args.time}")
         if args.time and args.topology:
             raise ValueError("--time runs the programs; a --topology has no devices to run them on")
     except ValueError as error:
@@ -294,18 +413,19 @@ def main_sharding(argv: Sequence[str]) -> int:
     sharded_memory.request_simulated_devices(max(sharded_memory.DEVICE_COUNT, *(d * m for d, m in meshes)))
     records = []
     for shape in shapes:
-        records += sharded_memory.sweep([b.strip() for b in args.backends.split(",") if b.strip()],
-                                        shape.n, shape.h, shape.v, dtype.name, meshes, calls, args.topology)
+        records += sharded_memory.sweep(backends, shape.n, shape.h, shape.v, dtype.name, meshes, calls, args.topology)
     if args.time:
         sharded_memory.time_calls(records, repeats=args.time)
     print(sharded_memory.format_table(records))
     if args.json:
-        import json  # noqa: PLC0415
+        import json
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
         print(f"\nJSON: {path}")
+    if records and all(record["status"] != "ok" for record in records):
+        return _report_all_failed("ce-bench sharding")
     return 0
 
 
@@ -318,23 +438,29 @@ def main_report(argv: Sequence[str]) -> int:
     parser.add_argument("--plot", default=None, metavar="PATH", help="also draw the PNG here")
     parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
     args = parser.parse_args(argv)
-    from ce_bench import report  # noqa: PLC0415
-    from ce_bench.records import read_json  # noqa: PLC0415
+    from ce_bench import report
+    from ce_bench.records import read_json
 
-    records = [record for path in args.paths for record in read_json(path)]
+    records = []
+    for path in args.paths:
+        try:
+            records += read_json(path)
+        except (OSError, ValueError, TypeError) as error:  # missing, not JSON, or not a list of records
+            parser.error(f"cannot read records from {path}: {error}")
     timed = any(record.fwd_bwd_ms is not None for record in records)
     print((report.run_table if timed else report.compile_table)(records, args.format))
     if args.plot:
-        from ce_bench.plot import plot  # noqa: PLC0415
+        from ce_bench.plot import plot
 
         devices = sorted({record.device for record in records if record.device})
         print(f"\nPNG:  {plot(records, args.plot, title='ce-bench: ' + '; '.join(devices))}")
     return 0
 
 
-def main_list() -> int:
+def main_list(argv: Sequence[str] = ()) -> int:
     """``ce-bench list``: presets and the contenders available here."""
-    from ce_bench import contenders  # noqa: PLC0415
+    argparse.ArgumentParser(prog="ce-bench list", description=SUBCOMMANDS["list"].capitalize() + ".").parse_args(argv)
+    from ce_bench import contenders
 
     print("presets (N for aot/--compile-only; CPU runs use 'cpu N'):")
     for preset in presets.PRESETS.values():
@@ -348,19 +474,17 @@ def main_list() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ce-bench`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "aot":
-        return main_aot(argv[1:])
-    if argv and argv[0] == "list":
-        return main_list()
-    if argv and argv[0] == "schedule":
-        return main_schedule(argv[1:])
-    if argv and argv[0] == "sharding":
-        return main_sharding(argv[1:])
-    if argv and argv[0] == "report":
-        return main_report(argv[1:])
-    if argv and argv[0] == "run":
-        argv = argv[1:]
-    return main_run(argv)
+    if not argv or argv[0].startswith("-"):
+        return main_run(argv)
+    handlers: dict[str, Callable[[Sequence[str]], int]] = {
+        "run": main_run, "aot": main_aot, "schedule": main_schedule, "sharding": main_sharding,
+        "report": main_report, "list": main_list,
+    }
+    assert set(handlers) == set(SUBCOMMANDS)
+    handler = handlers.get(argv[0])
+    if handler is None:
+        run_parser().error(f"unknown subcommand {argv[0]!r}; one of: {', '.join(SUBCOMMANDS)}")
+    return handler(argv[1:])
 
 
 if __name__ == "__main__":

@@ -27,17 +27,19 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 import ce_core
-
 from ce_bench import objectives
 
 TOKAMAX_PREFIX = "tokamax:"
-TOKAMAX_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "chunked_xla", "mosaic_tpu")
+TokamaxImplementation = Literal["xla", "chunked_xla", "mosaic_tpu"]
+TokamaxReduction = Literal["mean", "sum", "none"]
+TOKAMAX_IMPLEMENTATIONS: tuple[TokamaxImplementation, ...] = ("xla", "chunked_xla", "mosaic_tpu")
+TOKAMAX_REDUCTIONS: tuple[TokamaxReduction, ...] = ("mean", "sum", "none")
 
 LossFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -72,11 +74,13 @@ class Contender:
         if self.is_tokamax:
             if reduction == "rl":
                 raise ce_core.UnsupportedError("tokamax has no per-token log-probability or entropy API")
+            if reduction not in TOKAMAX_REDUCTIONS:
+                raise ValueError(f"unknown reduction {reduction!r} for tokamax; known: {list(TOKAMAX_REDUCTIONS)}")
             implementation = self.tokamax_implementation
             if implementation not in TOKAMAX_IMPLEMENTATIONS:
                 raise ValueError(f"unknown tokamax implementation {implementation!r}; "
                                  f"known: {list(TOKAMAX_IMPLEMENTATIONS)}")
-            import tokamax  # noqa: PLC0415 - optional dependency, imported on use
+            import tokamax  # optional dependency, imported on use
 
             def tokamax_loss(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
                 return tokamax.linear_softmax_cross_entropy_loss(
@@ -116,7 +120,7 @@ class Contender:
             backend = ce_core.get_backend(self.name)
             problem = ce_core.Problem(n, h, v, jnp.dtype(dtype), jnp.dtype(dtype), ce_core.StatsSpec())
             return format_block_sizes(backend.block_sizes_for(problem))
-        except Exception:  # noqa: BLE001 - informational only
+        except Exception:  # informational only
             return None
 
 
@@ -126,13 +130,13 @@ def tokamax_unsupported_reason(contender: Contender, device: Any) -> str | None:
     if not contender.is_tokamax:
         return None
     try:
-        from tokamax._src.ops.linear_softmax_cross_entropy_loss import api  # noqa: PLC0415
+        from tokamax._src.ops.linear_softmax_cross_entropy_loss import api
 
         op = api.IMPLEMENTATIONS.get(contender.tokamax_implementation)
         if op is not None and not op.supported_on(device):
             return (f"tokamax declares {contender.tokamax_implementation} unsupported on {device.device_kind} "
                     f"({type(op).__name__}.supported_on is False)")
-    except Exception:  # noqa: BLE001 - no verdict: let the compiler decide
+    except Exception:  # no verdict: let the compiler decide
         return None
     return None
 
@@ -167,12 +171,12 @@ def format_block_sizes(value: Any) -> str | None:
 
 def _tokamax_block_sizes(implementation: str, n: int, h: int, v: int, dtype: Any) -> str | None:
     if implementation == "chunked_xla":
-        from tokamax._src.ops.linear_softmax_cross_entropy_loss import chunked_xla  # noqa: PLC0415
+        from tokamax._src.ops.linear_softmax_cross_entropy_loss import chunked_xla
 
         config = chunked_xla.Config()
         return f"b={config.b_block_size} v={config.v_block_size}"
     if implementation == "mosaic_tpu":
-        from tokamax._src.ops.linear_softmax_cross_entropy_loss import (  # noqa: PLC0415
+        from tokamax._src.ops.linear_softmax_cross_entropy_loss import (
             pallas_mosaic_tpu_kernel as kernel,
         )
 
@@ -188,6 +192,12 @@ def default_names(*, include_tokamax: bool = True) -> list[str]:
     if include_tokamax and tokamax_installed():
         names += [TOKAMAX_PREFIX + implementation for implementation in TOKAMAX_IMPLEMENTATIONS]
     return names
+
+
+def known_names() -> list[str]:
+    """Every name ``--backends`` accepts: the installed ce_core backends (whether or not they can run
+    here; those that cannot get a row that says why) and tokamax's implementations."""
+    return [*ce_core.installed_backends(), *(TOKAMAX_PREFIX + impl for impl in TOKAMAX_IMPLEMENTATIONS)]
 
 
 def parse_names(spec: str | None, *, include_tokamax: bool = True) -> list[str]:

@@ -38,7 +38,7 @@ def memory_stats(compiled: Any) -> MemoryStats:
     """The :class:`MemoryStats` of a ``jax.stages.Compiled`` (all ``None`` if unavailable)."""
     try:
         analysis = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - some PJRT plugins do not implement it
+    except Exception:  # some PJRT plugins do not implement it
         analysis = None
     if analysis is None:
         return MemoryStats(None, None, None)
@@ -72,7 +72,7 @@ def device_memory_bytes(device: Any) -> int | None:
     """Memory of an accelerator (``bytes_limit`` of ``device.memory_stats()``), None on CPU."""
     try:
         stats = device.memory_stats()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     if not stats:
         return None

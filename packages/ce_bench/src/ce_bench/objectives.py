@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import ce_core
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import ce_core
 from ce_core.testing import log_probs_oracle, oracle
 
 OBJECTIVES = ("mean", "sum", "none", "rl")

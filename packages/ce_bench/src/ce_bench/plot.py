@@ -70,10 +70,10 @@ def _bars(axis: Any, records: Sequence[Record], field: str, scale: float, ylabel
 
 def plot(records: Sequence[Record], path: str | Path, *, title: str = "") -> Path:
     """Draw the comparison and save it as a PNG at ``path`` (parent directories are created)."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

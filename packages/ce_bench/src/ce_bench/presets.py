@@ -67,6 +67,8 @@ DTYPES: dict[str, jnp.dtype] = {
 _DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "f16": "float16", "fp16": "float16"}
 
 _EXPLICIT = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\d+)\s*[xX*]\s*(\d+)\s*$")
+#: Something meant as dimensions (digits and separators only) that is not a valid ``NxHxV``.
+_DIMENSIONS_LIKE = re.compile(r"^[\d\sxX*+-]+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,8 @@ def parse_shapes(spec: str | None, *, reduced_for_cpu: bool, default: tuple[str,
             shapes.append(Shape(n, h, v, name=f"{n}x{h}x{v}"))
             continue
         preset = PRESETS.get(item.lower())
+        if preset is None and _DIMENSIONS_LIKE.match(item):
+            raise ValueError(f"malformed shape {item!r}: use NxHxV, three positive integers such as 2048x1024x32000")
         if preset is None:
             raise ValueError(f"unknown shape {item!r}: use NxHxV or one of the presets {sorted(PRESETS)}")
         n, note = preset.n, ""

@@ -71,9 +71,17 @@ def write_json(records: Iterable[Record], path: str | Path) -> Path:
 
 
 def read_json(path: str | Path) -> list[Record]:
-    """Records from a file written by :func:`write_json`."""
+    """Records from a file written by :func:`write_json`.
+
+    Raises:
+      OSError: the file cannot be read.
+      ValueError: it is not JSON, or not a list of objects.
+      TypeError: an object lacks a field every record has.
+    """
     fields = {field.name for field in dataclasses.fields(Record)}
     items = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ValueError("not a JSON list of records (objects)")
     return [Record(**{key: value for key, value in item.items() if key in fields}) for item in items]
 
 

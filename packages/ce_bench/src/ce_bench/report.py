@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from ce_bench.memory import human_bytes
 from ce_bench.records import Record
 
-
 #: Longest note printed under a table.
 NOTE_LIMIT = 240
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,13 +62,23 @@ class _Planned:
     fwd_bwd: Any = None
 
 
+def stderr_is_terminal() -> bool:
+    """Whether ``sys.stderr`` (where tqdm draws) is a terminal: not a pipe, a file or a CI log."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
 class Progress:
-    """A tqdm bar (or nothing) whose total grows as the plan is made."""
+    """A tqdm bar (or nothing) whose total grows as the plan is made.
+
+    The bar is drawn only when ``enabled`` and stderr is a terminal: redirected to a file or a CI
+    log, its carriage-return redraws would only add noise.
+    """
 
     def __init__(self, enabled: bool, description: str = "ce-bench") -> None:
         self._bar = None
-        if enabled:
-            from tqdm.auto import tqdm  # noqa: PLC0415
+        if enabled and stderr_is_terminal():
+            from tqdm.auto import tqdm
 
             self._bar = tqdm(total=0, desc=description, unit="step", dynamic_ncols=True, leave=False)
 
@@ -92,9 +103,9 @@ class Progress:
 
 def device_description(device: Any | None = None) -> str:
     """``'cpu: cpu (2 cores)'``, ``'gpu: NVIDIA H100'``, ``'tpu: TPU v5 lite'``."""
-    device = device or jax.devices()[0]
-    text = f"{device.platform}: {device.device_kind}"
-    if device.platform == "cpu":
+    described = jax.devices()[0] if device is None else device
+    text = f"{described.platform}: {described.device_kind}"
+    if described.platform == "cpu":
         text += f" ({os.cpu_count()} cores)"
     return text
 
@@ -204,7 +215,7 @@ def _plan(shape: Shape, dtype: Any, config: RunConfig, budget: int | None, devic
         try:
             fwd, fwd_bwd = contender.programs(config.reduction)
             compiled_fwd, compiled_fwd_bwd, seconds = compile_programs(fwd, fwd_bwd, structs)
-        except Exception as error:  # noqa: BLE001 - the row says why; the run goes on
+        except Exception as error:  # the row says why; the run goes on
             record.status, record.reason = classify(error), short_reason(error)
             continue
         stats = memory.memory_stats(compiled_fwd_bwd)
@@ -238,7 +249,7 @@ def _plan(shape: Shape, dtype: Any, config: RunConfig, budget: int | None, devic
             try:
                 floor.fwd, floor.fwd_bwd, record.compile_s = compile_programs(*floor_programs(), structs)
                 record.temp_bytes = memory.memory_stats(floor.fwd_bwd).temp_bytes
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 record.status, record.reason = classify(error), short_reason(error)
     return _ShapePlan(shape, dtype, planned, floor)
 
@@ -293,10 +304,10 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
             outputs = block(item.fwd_bwd(x, labels, w))
             bar.step()
             block(item.fwd(x, labels, w))
-            for extra in range(config.warmup - 1):
+            for _ in range(config.warmup - 1):
                 block(item.fwd_bwd(x, labels, w))
                 block(item.fwd(x, labels, w))
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             record.status, record.reason = classify(error), short_reason(error)
             bar.add(-2 * config.repeats)
             continue
@@ -310,7 +321,7 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
         del outputs
         for kind, program in (("fwd", item.fwd), ("fwd_bwd", item.fwd_bwd)):
             key = f"{record.backend}/{kind}"
-            contenders[key] = (lambda program=program: program(x, labels, w))
+            contenders[key] = (lambda program=program, args=(x, labels, w): program(*args))
             owners[key] = (item, kind)
     del expected
     gc.collect()
@@ -336,7 +347,7 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
             record.floor_ratio = record.fwd_bwd_ms / floor_fwd_bwd
         if record.fwd_ms and floor_fwd:
             record.fwd_floor_ratio = record.fwd_ms / floor_fwd
-    del x, labels, w
+    del contenders, x, labels, w
     gc.collect()
     return out
 

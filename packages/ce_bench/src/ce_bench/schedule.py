@@ -28,10 +28,10 @@ def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequ
                  quiet: bool = False) -> list[dict[str, Any]]:
     """One record (a JSON object) per shape and kernel, in that order."""
     try:
-        from ce_pallas_tpu import schedule  # noqa: PLC0415
+        from ce_pallas_tpu import schedule
     except ImportError as error:
         raise ScheduleUnavailableError(f"the schedule needs ce-pallas-tpu[tpu] ({error})") from error
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
     if importlib.util.find_spec("libtpu") is None:
         raise ScheduleUnavailableError("the schedule needs libtpu: pip install 'ce-pallas-tpu[tpu]' (Linux x86-64)")
@@ -50,7 +50,8 @@ def _tiles(record: dict[str, Any]) -> str:
 
 def _dtypes(record: dict[str, Any]) -> str:
     short = {"bfloat16": "bf16", "float32": "f32"}
-    x, w = (short.get(record[key], record[key]) for key in ("x_dtype", "w_dtype"))
+    names: list[str] = [record["x_dtype"], record["w_dtype"]]
+    x, w = (short.get(name, name) for name in names)
     return x if x == w else f"{x}/{w}"
 
 

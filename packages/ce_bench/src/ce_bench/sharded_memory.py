@@ -11,8 +11,8 @@
 ``x`` is split over ``data`` and ``w`` over ``vocab`` on V. ``memory_analysis()`` of the SPMD program
 gives per-device sizes, so Llama-3-sized shapes compile here without running. With ``topology``
 (e.g. ``"v5p:2x2x1"``) the meshes are made of a deviceless TPU topology's devices instead, and the
-programs compiled by libtpu for that TPU (compile only; ``pallas_tpu`` then compiles its real kernels). With ``time`` the
-programs also run on random inputs, interleaved round-robin per mesh (:mod:`ce_bench.timing`);
+programs compiled by libtpu for that TPU (compile only; ``pallas_tpu`` then compiles its real kernels). With ``time``
+the programs also run on random inputs, interleaved round-robin per mesh (:mod:`ce_bench.timing`);
 8 simulated devices share this machine's cores, so times compare calls, not hardware.
 """
 
@@ -85,7 +85,8 @@ def _program(backend: str, call: str, data: int, vocab: int, topology: str | Non
             return linear_cross_entropy(x, labels, w, implementation=backend)
     else:
         raise ValueError(f"unknown call {call!r}; one of {CALLS}")
-    shardings = dict(x=NamedSharding(mesh, PartitionSpec("data", None)), labels=NamedSharding(mesh, PartitionSpec("data")),
+    shardings = dict(x=NamedSharding(mesh, PartitionSpec("data", None)),
+                     labels=NamedSharding(mesh, PartitionSpec("data")),
                      w=NamedSharding(mesh, PartitionSpec(None, vocab_axis)))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 2))), lambda: _compile_context(topology, mesh), shardings
 
@@ -127,7 +128,8 @@ def time_calls(records: list[dict[str, Any]], *, repeats: int, seed: int = 0) ->
     by_mesh: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for record in records:
         if record["status"] == "ok":
-            by_mesh.setdefault((record["mesh"], record["n"], record["h"], record["v"], record["dtype"]), []).append(record)
+            key = (record["mesh"], record["n"], record["h"], record["v"], record["dtype"])
+            by_mesh.setdefault(key, []).append(record)
     for (mesh, n, h, v, dtype), group in by_mesh.items():
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((n, h), np.float32)
@@ -138,7 +140,8 @@ def time_calls(records: list[dict[str, Any]], *, repeats: int, seed: int = 0) ->
         for record in group:
             step, context, shardings = _program(record["backend"], record["call"], data, vocab)
             with context():
-                args = (jax.device_put(jnp.asarray(x, dtype), shardings["x"]), jax.device_put(labels, shardings["labels"]),
+                args = (jax.device_put(jnp.asarray(x, dtype), shardings["x"]),
+                        jax.device_put(labels, shardings["labels"]),
                         jax.device_put(jnp.asarray(w, dtype), shardings["w"]))
 
             def run(step=step, context=context, args=args):
@@ -166,18 +169,19 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of a :func:`sweep`, with each mesh's saving against the same call on 1x1."""
     unsharded = {(r["backend"], r.get("call", "wrapper")): r.get("temp_bytes") for r in records if r["mesh"] == "1x1"}
     timed = any("median_ms" in r for r in records)
-    lines = ["| backend | call | N x H x V, dtype | mesh (data x vocab) | per-device temp | vs 1 device | per-device args |"
-             + (" fwd+bwd time |" if timed else ""),
+    lines = ["| backend | call | N x H x V, dtype | mesh (data x vocab) | per-device temp | vs 1 device "
+             "| per-device args |" + (" fwd+bwd time |" if timed else ""),
              "|---|---|---|---|---|---|---|" + ("---|" if timed else "")]
     for r in records:
         call = r.get("call", "wrapper")
         shape = f"{r['n']} x {r['h']} x {r['v']}, {r['dtype']}"
         if r["status"] != "ok":
-            lines.append(f"| {r['backend']} | {call} | {shape} | {r['mesh']} | {r['status']} | | |" + (" |" if timed else ""))
+            lines.append(f"| {r['backend']} | {call} | {shape} | {r['mesh']} | {r['status']} | | |"
+                         + (" |" if timed else ""))
             continue
         base = unsharded.get((r["backend"], call))
         ratio = f"{r['temp_bytes'] / base:.3f}x" if base else "n/a"
         time = f" {r['median_ms']:,.0f} ms |" if r.get("median_ms") is not None else (" |" if timed else "")
-        lines.append(f"| {r['backend']} | {call} | {shape} | {r['mesh']} | {r['temp_bytes'] / 2**20:,.1f} MiB | {ratio} "
-                     f"| {r['argument_bytes'] / 2**20:,.1f} MiB |" + time)
+        lines.append(f"| {r['backend']} | {call} | {shape} | {r['mesh']} | {r['temp_bytes'] / 2**20:,.1f} MiB "
+                     f"| {ratio} | {r['argument_bytes'] / 2**20:,.1f} MiB |" + time)
     return "\n".join(lines)

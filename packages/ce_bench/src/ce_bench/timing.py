@@ -67,7 +67,7 @@ def interleaved(
                 continue
             try:
                 elapsed = time_call(contenders[name])
-            except Exception as error:  # noqa: BLE001 - a failing contender gets a row, the run goes on
+            except Exception as error:  # a failing contender gets a row, the run goes on
                 timing.error = f"{type(error).__name__}: {error}"
                 timing.seconds.clear()
             else:

@@ -14,9 +14,11 @@ logsumexp only when asked (``StatsSpec.with_expected``), so the plain loss never
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from ce_core import validation
 from ce_core.block_sizes import BlockSizes
@@ -24,10 +26,61 @@ from ce_core.placement import find_placement
 from ce_core.prepare import prepare
 
 
+@overload
 def linear_log_probs(
-    x: jax.Array,
-    labels: jax.Array,
-    w: jax.Array,
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    temperature: float = ...,
+    logit_soft_cap: float | None = ...,
+    return_entropy: Literal[False] = ...,
+    ignore_index: int = ...,
+    implementation: str | Sequence[str] | None = ...,
+    block_sizes: BlockSizes | None = ...,
+    vocab_axis_name: str | None = ...,
+    precision: str | jax.lax.Precision | None = ...,
+) -> jax.Array: ...
+
+
+@overload
+def linear_log_probs(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    temperature: float = ...,
+    logit_soft_cap: float | None = ...,
+    return_entropy: Literal[True],
+    ignore_index: int = ...,
+    implementation: str | Sequence[str] | None = ...,
+    block_sizes: BlockSizes | None = ...,
+    vocab_axis_name: str | None = ...,
+    precision: str | jax.lax.Precision | None = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def linear_log_probs(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    temperature: float = ...,
+    logit_soft_cap: float | None = ...,
+    return_entropy: bool = ...,
+    ignore_index: int = ...,
+    implementation: str | Sequence[str] | None = ...,
+    block_sizes: BlockSizes | None = ...,
+    vocab_axis_name: str | None = ...,
+    precision: str | jax.lax.Precision | None = ...,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
+
+def linear_log_probs(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
     *,
     temperature: float = 1.0,
     logit_soft_cap: float | None = None,

@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from ce_core import ops, validation
 from ce_core.backend import Backend, RowStats, StatsSpec
@@ -46,13 +48,76 @@ def token_losses(stats: RowStats, config: LossConfig) -> jax.Array:
     return loss
 
 
+@overload
 def linear_cross_entropy(
-    x: jax.Array,
-    labels: jax.Array,
-    w: jax.Array,
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    reduction: str = ...,
+    weights: ArrayLike | None = ...,
+    ignore_index: int = ...,
+    logsumexp_weight: float = ...,
+    logit_soft_cap: float | None = ...,
+    label_smoothing: float = ...,
+    temperature: float = ...,
+    return_lse: Literal[False] = ...,
+    implementation: str | Sequence[str] | None = ...,
+    block_sizes: BlockSizes | None = ...,
+    vocab_axis_name: str | None = ...,
+    precision: str | jax.lax.Precision | None = ...,
+) -> jax.Array: ...
+
+
+@overload
+def linear_cross_entropy(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    reduction: str = ...,
+    weights: ArrayLike | None = ...,
+    ignore_index: int = ...,
+    logsumexp_weight: float = ...,
+    logit_soft_cap: float | None = ...,
+    label_smoothing: float = ...,
+    temperature: float = ...,
+    return_lse: Literal[True],
+    implementation: str | Sequence[str] | None = ...,
+    block_sizes: BlockSizes | None = ...,
+    vocab_axis_name: str | None = ...,
+    precision: str | jax.lax.Precision | None = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def linear_cross_entropy(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    reduction: str = ...,
+    weights: ArrayLike | None = ...,
+    ignore_index: int = ...,
+    logsumexp_weight: float = ...,
+    logit_soft_cap: float | None = ...,
+    label_smoothing: float = ...,
+    temperature: float = ...,
+    return_lse: bool = ...,
+    implementation: str | Sequence[str] | None = ...,
+    block_sizes: BlockSizes | None = ...,
+    vocab_axis_name: str | None = ...,
+    precision: str | jax.lax.Precision | None = ...,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
+
+def linear_cross_entropy(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
     *,
     reduction: str = "mean",
-    weights: jax.Array | None = None,
+    weights: ArrayLike | None = None,
     ignore_index: int = -100,
     logsumexp_weight: float = 0.0,
     logit_soft_cap: float | None = None,

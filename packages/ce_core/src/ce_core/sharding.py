@@ -10,27 +10,79 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.typing import ArrayLike
 
 from ce_core import validation
 from ce_core.loss import loss_with_placement
 from ce_core.placement import Placement, axes_of, typed_mesh, without_trivial_axes
 
 
+@overload
 def sharded_linear_cross_entropy(
-    x: jax.Array,
-    labels: jax.Array,
-    w: jax.Array,
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    mesh: Mesh | AbstractMesh,
+    batch_axes: str | Sequence[str] = ...,
+    vocab_axis: str | None = ...,
+    reduction: str = ...,
+    weights: ArrayLike | None = ...,
+    ignore_index: int = ...,
+    return_lse: Literal[False] = ...,
+    **loss_kwargs: Any,
+) -> jax.Array: ...
+
+
+@overload
+def sharded_linear_cross_entropy(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    mesh: Mesh | AbstractMesh,
+    batch_axes: str | Sequence[str] = ...,
+    vocab_axis: str | None = ...,
+    reduction: str = ...,
+    weights: ArrayLike | None = ...,
+    ignore_index: int = ...,
+    return_lse: Literal[True],
+    **loss_kwargs: Any,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def sharded_linear_cross_entropy(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
+    *,
+    mesh: Mesh | AbstractMesh,
+    batch_axes: str | Sequence[str] = ...,
+    vocab_axis: str | None = ...,
+    reduction: str = ...,
+    weights: ArrayLike | None = ...,
+    ignore_index: int = ...,
+    return_lse: bool = ...,
+    **loss_kwargs: Any,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
+
+def sharded_linear_cross_entropy(
+    x: ArrayLike,
+    labels: ArrayLike,
+    w: ArrayLike,
     *,
     mesh: Mesh | AbstractMesh,
     batch_axes: str | Sequence[str] = ("data",),
     vocab_axis: str | None = None,
     reduction: str = "mean",
-    weights: jax.Array | None = None,
+    weights: ArrayLike | None = None,
     ignore_index: int = -100,
     return_lse: bool = False,
     **loss_kwargs: Any,

@@ -8,7 +8,7 @@ ahead-of-time compilation. See the package README.
 """
 
 from ce_pallas_tpu.backend import PallasTpuBackend, make_backend
-from ce_pallas_tpu.block_sizes import TUNED, KernelTiles, Tiles, shape_bucket
+from ce_pallas_tpu.block_sizes import TUNED, FittedTiles, KernelTiles, Tiles, shape_bucket
 from ce_pallas_tpu.ops import describe_plan, make_plan, row_stats
 from ce_pallas_tpu.target import Target, current_target
 
@@ -16,6 +16,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "TUNED",
+    "FittedTiles",
     "KernelTiles",
     "PallasTpuBackend",
     "Target",

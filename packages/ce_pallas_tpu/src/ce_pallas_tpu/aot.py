@@ -136,6 +136,8 @@ def compile_loss_and_grads(
             )
             compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
         memory = compiled.memory_analysis()
+        if memory is None:
+            raise RuntimeError(f"the compiler reports no memory analysis for {generation}")
         return CompileResult(
             True,
             int(memory.temp_size_in_bytes),

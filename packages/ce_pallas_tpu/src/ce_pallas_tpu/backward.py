@@ -102,7 +102,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *rest
         z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
         col = block * vb + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
         p = jnp.exp(z - lse_ref[...])
-        if expected_ref is None:
+        if expected_ref is None or g_expected_ref is None:
             delta = g_lse_ref[...] * p
         else:
             delta = p * (g_lse_ref[...] + g_expected_ref[...] * (1.0 + z - expected_ref[...]))
@@ -198,9 +198,11 @@ def backward_call(
     ]
     operands = [x, w, labels, lse, g_lse, g_label]
     if cfg.with_sum:
+        assert g_sum is not None, "cfg.with_sum needs g_sum"
         in_specs.append(column)
         operands.append(g_sum)
     if cfg.with_expected:
+        assert expected is not None and g_expected is not None, "cfg.with_expected needs expected and g_expected"
         in_specs += [column, column]
         operands += [expected, g_expected]
     out_specs = [

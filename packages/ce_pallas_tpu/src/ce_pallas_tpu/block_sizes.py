@@ -24,7 +24,6 @@ import dataclasses
 import itertools
 
 from ce_core import BlockSizes, UnsupportedError
-
 from ce_pallas_tpu import vmem
 from ce_pallas_tpu.target import CHIP_FACTS, Target
 from ce_pallas_tpu.vmem import Shape
@@ -48,11 +47,18 @@ class KernelTiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class FittedTiles(KernelTiles):
+    """Kernel tiles fitted to one problem: the hidden block/chunk ``h`` is always set (it divides ``Hp``)."""
+
+    h: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tiles of both kernels and where they came from (``table:<gen>/<bucket>``, ``inferred``...)."""
 
-    forward: KernelTiles
-    backward: KernelTiles
+    forward: FittedTiles
+    backward: FittedTiles
     source: str
 
 
@@ -163,7 +169,7 @@ def _divisor_at_most(hp: int, h: int) -> int:
     return LANES
 
 
-def _fit(shape: Shape, tiles: KernelTiles, *, backward: bool) -> KernelTiles:
+def _fit(shape: Shape, tiles: KernelTiles, *, backward: bool) -> FittedTiles:
     """Clamp tiles to the problem: a block never exceeds its dimension; ``h`` divides ``Hp``."""
     b = shape.n if shape.n <= tiles.b else tiles.b
     v = shape.v if shape.v <= tiles.v else tiles.v
@@ -171,10 +177,10 @@ def _fit(shape: Shape, tiles: KernelTiles, *, backward: bool) -> KernelTiles:
         h = _divisor_at_most(shape.hp, tiles.h or 512)
     else:
         h = shape.hp if tiles.h is None else _divisor_at_most(shape.hp, tiles.h)
-    return KernelTiles(b, h, v)
+    return FittedTiles(b, h, v)
 
 
-def _fits(shape: Shape, forward: KernelTiles, backward: KernelTiles, budget: int) -> bool:
+def _fits(shape: Shape, forward: FittedTiles, backward: FittedTiles, budget: int) -> bool:
     return (
         vmem.forward_bytes(shape, forward.b, forward.h, forward.v) <= budget
         and vmem.backward_bytes(shape, backward.b, backward.h, backward.v) <= budget
@@ -218,7 +224,7 @@ def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
     return Tiles(_pick(forward_options), _pick(backward_options), "inferred")
 
 
-def _pick(options: list[tuple[float, int, KernelTiles]]) -> KernelTiles:
+def _pick(options: list[tuple[float, int, FittedTiles]]) -> FittedTiles:
     """Among options within 3% of the fastest, the one with the smallest VMEM footprint."""
     fastest = min(seconds for seconds, _, _ in options)
     near = [(need, -tiles.b, -tiles.v, tiles) for seconds, need, tiles in options if seconds <= 1.03 * fastest]
@@ -237,7 +243,7 @@ def tuned_tiles(shape: Shape, target: Target) -> Tiles:
     return _infer(shape, target, budget)
 
 
-def backward_w_buffers(shape: Shape, tiles: KernelTiles, target: Target) -> int:
+def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
     """Two VMEM buffers for the backward's ``w`` and ``dw`` blocks where they fit the budget, else one."""
     double = vmem.backward_bytes(shape, tiles.b, tiles.h, tiles.v, single_w=False)
     return 2 if double <= vmem_budget(target) else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

@@ -15,7 +15,8 @@ scratch across vocab blocks (and, for the entropy, the sum of ``exp(z - max) z``
 sum of exp, whose ratio to it is the expected logit). With the hidden dimension whole (the default), the vocab loop is
 software-pipelined: a step forms the logits of its block in one slot of a two-slot scratch while
 the vector units take the statistics of the previous block from the other slot, so the
-exp/max/sum work overlaps the MXU instead of following it (it costs 0.08-0.13 of a step otherwise). The soft cap is applied in the kernel; the label logit is picked by
+exp/max/sum work overlaps the MXU instead of following it (it costs 0.08-0.13 of a step
+otherwise). The soft cap is applied in the kernel; the label logit is picked by
 comparing a column iota with the label (no ``one_hot``, no gather: both fail to lower on v4); vocab
 columns past ``V`` in a ragged last block hold garbage and are masked to ``-inf`` (to 0 in the sum).
 Rows past ``N`` in a ragged last token block produce garbage that Pallas never writes back. When
@@ -48,7 +49,7 @@ def _update(z_raw, start, y, state, cfg: ForwardConfig, *, may_be_last: bool = T
     outside ``[0, V)`` never hit. Pass ``may_be_last=False`` for a tile that is known not to be the
     ragged last one: it is not masked.
     """
-    m, l, label, total, weighted = state
+    m, sum_exp, label, total, weighted = state
     z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
     local = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     if cfg.v % cfg.vb and may_be_last:
@@ -60,7 +61,7 @@ def _update(z_raw, start, y, state, cfg: ForwardConfig, *, may_be_last: bool = T
     m_new = jnp.maximum(m, jnp.max(z_lse, axis=1, keepdims=True))
     rescale = jnp.exp(m - m_new)
     exps = jnp.exp(z_lse - m_new)
-    l = l * rescale + jnp.sum(exps, axis=1, keepdims=True)
+    sum_exp = sum_exp * rescale + jnp.sum(exps, axis=1, keepdims=True)
     hit = local == y - start
     if valid is not None:
         hit = hit & valid
@@ -69,7 +70,7 @@ def _update(z_raw, start, y, state, cfg: ForwardConfig, *, may_be_last: bool = T
         total = total + jnp.sum(z_owned, axis=1, keepdims=True)
     if weighted is not None:
         weighted = weighted * rescale + jnp.sum(exps * z_owned, axis=1, keepdims=True)
-    return m_new, l, label, total, weighted
+    return m_new, sum_exp, label, total, weighted
 
 
 def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
@@ -92,7 +93,7 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         return tuple(None if ref is None else ref[...] for ref in stat_refs)
 
     def write_state(state):
-        for ref, value in zip(stat_refs, state):
+        for ref, value in zip(stat_refs, state, strict=True):
             if ref is not None:
                 ref[...] = value
 
@@ -118,7 +119,8 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
             z_sc[cur] = common.matmul(x_ref[...], w_ref[...], cfg.precision)
             taken = _update(z_sc[prev], (block - 1) * cfg.vb, y_ref[...], read_state(), cfg, may_be_last=False)
             fresh = initial_state()
-            write_state(tuple(None if t is None else jnp.where(j == 0, f, t) for t, f in zip(taken, fresh)))
+            write_state(tuple(None if t is None or f is None else jnp.where(j == 0, f, t)
+                              for t, f in zip(taken, fresh, strict=True)))
 
         pl.when((j % 2 == 0) & in_range)(lambda: step(0, 1))
         pl.when((j % 2 == 1) & in_range)(lambda: step(1, 0))
@@ -167,9 +169,9 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     def _finish():
         lse_ref[...] = m_sc[...] + jnp.log(l_sc[...])
         label_ref[...] = label_sc[...]
-        if sum_ref is not None:
+        if sum_ref is not None and sum_sc is not None:
             sum_ref[...] = sum_sc[...]
-        if expected_ref is not None:
+        if expected_ref is not None and weighted_sc is not None:
             expected_ref[...] = weighted_sc[...] / l_sc[...]
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
-from ce_core import BlockSizes, RowStats, StatsSpec
 
+from ce_core import BlockSizes, RowStats, StatsSpec
 from ce_pallas_tpu import block_sizes as tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
@@ -39,6 +40,21 @@ class Plan:
     @property
     def hp(self) -> int:
         return self.forward.hp
+
+
+class _SharedConfig(TypedDict):
+    """The fields both kernels' configs take from the problem and the target."""
+
+    n: int
+    hidden: int
+    hp: int
+    v: int
+    logit_soft_cap: float | None
+    with_sum: bool
+    with_expected: bool
+    interpret: object
+    vmem_limit_bytes: int | None
+    precision: str
 
 
 def padded_hidden(h: int) -> int:
@@ -69,7 +85,7 @@ def make_plan(
     tiles = tiling.resolve_tiles(shape, target, spec.block_sizes)
     interpret = interpret_params(target)
     limit = None if interpret else tiling.vmem_limit(target)
-    common = dict(
+    common = _SharedConfig(
         n=n,
         hidden=h,
         hp=shape.hp,
@@ -142,16 +158,18 @@ def _row_stats_fwd(x, w, labels, plan: Plan):
 def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
     x, w, y, lse, expected = residuals
 
-    def column(g):
-        return None if g is None else g.astype(jnp.float32).reshape(-1, 1)
+    def column(g: jax.Array) -> jax.Array:
+        return g.astype(jnp.float32).reshape(-1, 1)
 
     cfg = plan.backward
-    g_sum = column(cotangents.sum) if cfg.with_sum else None
-    if cfg.with_expected and (expected is None or cotangents.expected is None):
-        raise ValueError("pallas_tpu: the expected logit's cotangent needs the rows' expected logit")
-    g_expected = column(cotangents.expected) if cfg.with_expected else None
+    g_sum = None if not cfg.with_sum or cotangents.sum is None else column(cotangents.sum)
+    expected_column = g_expected = None
+    if cfg.with_expected:
+        if expected is None or cotangents.expected is None:
+            raise ValueError("pallas_tpu: the expected logit's cotangent needs the rows' expected logit")
+        expected_column, g_expected = column(expected), column(cotangents.expected)
     dx_partials, dw = backward_call(x, w, y, column(lse), column(cotangents.lse), column(cotangents.label),
-                                    g_sum, column(expected) if cfg.with_expected else None, g_expected, cfg)
+                                    g_sum, expected_column, g_expected, cfg)
     dx = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
     return dx[: plan.n, : plan.h].astype(x.dtype), dw, None
 

@@ -71,8 +71,9 @@ def _run_worker(generation: str, jobs: Sequence[Job], quiet: bool) -> tuple[list
                     print(line, end="", file=sys.stderr, flush=True)
                 if "Check failed" in line and reason is None:
                     reason = line.strip()
-                tail = (tail + [line.rstrip()])[-8:]
-        done = [KernelSchedule.from_json(item) for item in json.loads(out_path.read_text())] if out_path.exists() else []
+                tail = [*tail, line.rstrip()][-8:]
+        written = json.loads(out_path.read_text()) if out_path.exists() else []
+        done = [KernelSchedule.from_json(item) for item in written]
         if child.returncode == 0 and len(done) == len(jobs):
             return done, None
         if reason is None and not done and child.returncode > 0:  # not an abort: the worker itself is broken

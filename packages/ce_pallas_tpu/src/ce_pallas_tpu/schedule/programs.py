@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ce_pallas_tpu.backward import backward_call
+from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import KernelConfig
-from ce_pallas_tpu.forward import forward_call
+from ce_pallas_tpu.forward import ForwardConfig, forward_call
 
 
 def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
@@ -20,10 +20,10 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     Unlike explicit ``BlockSizes``, the tiles are not checked against the VMEM model (the
     compile is the judge here), and they apply to this kernel only.
     """
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
-    from ce_pallas_tpu import ops  # noqa: PLC0415
-    from ce_pallas_tpu.target import active_cores, current_target  # noqa: PLC0415
+    from ce_pallas_tpu import ops
+    from ce_pallas_tpu.target import active_cores, current_target
 
     plan = ops.make_plan(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec)
     cfg = plan.forward if kernel == "forward" else plan.backward
@@ -48,7 +48,9 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str,
     w = operand((cfg.hidden, cfg.v), w_dtype)
     labels = operand((cfg.n, 1), jnp.int32)
     if kernel == "forward":
+        assert isinstance(cfg, ForwardConfig), cfg
         return (lambda x_, w_, y_: forward_call(x_, w_, y_, cfg)), (x, w, labels)
+    assert isinstance(cfg, BackwardConfig), cfg
     column = operand((cfg.n, 1), jnp.float32)
     n_optional = cfg.with_sum + 2 * cfg.with_expected  # g_sum, then expected and g_expected
     columns = (column,) * (3 + n_optional)

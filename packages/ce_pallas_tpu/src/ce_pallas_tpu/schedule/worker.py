@@ -27,9 +27,8 @@ OP_NAMES = {"forward": "ce_pallas_tpu_forward", "backward": "ce_pallas_tpu_backw
 
 def _config(job: Job) -> Any:
     """The full-size kernel config of ``job`` on the current (AOT) target."""
-    from ce_core import StatsSpec  # noqa: PLC0415
-
-    from ce_pallas_tpu.schedule.programs import kernel_config  # noqa: PLC0415
+    from ce_core import StatsSpec
+    from ce_pallas_tpu.schedule.programs import kernel_config
 
     spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum, with_expected=job.with_expected)
     if job.precision is not None:
@@ -38,9 +37,9 @@ def _config(job: Job) -> Any:
 
 
 def _compile(job: Job, cfg: Any, device: Any) -> None:
-    from ce_pallas_tpu.schedule.programs import kernel_program  # noqa: PLC0415
+    import jax
 
-    import jax  # noqa: PLC0415
+    from ce_pallas_tpu.schedule.programs import kernel_program
 
     fn, args = kernel_program(job.kernel, cfg, job.x_dtype, job.w_dtype, jax.sharding.SingleDeviceSharding(device))
     jax.jit(fn).lower(*args).compile()
@@ -51,7 +50,7 @@ def _measure_grid(job: Job, cfg: Any, device: Any, profile_dir: Path):
     profile_dir.mkdir(parents=True)
     try:
         _compile(job, cfg, device)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:  # one job's failure is its row
         # v5e/v6e compiles with the profile flags may fail a VMEM check after the dumps are written;
         # the bundles are those of a normal compile. Without dumps the error is the answer.
         try:
@@ -69,8 +68,9 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
         cfg = _config(job)
         points = grid_points(cfg)
         traces = {point: _measure_grid(job, small_grid(cfg, *point), device, profile_dir) for point in points}
-    except Exception as error:  # noqa: BLE001 - one job's failure is its row
-        record.error = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+    except Exception as error:
+        message = str(error).strip()
+        record.error = f"{type(error).__name__}: {message.splitlines()[0][:300] if message else ''}"
         record.compile_s = time.perf_counter() - start
         return record
     finally:
@@ -92,17 +92,18 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
                    else (cfg.num_cores, cfg.nv_per_core, cfg.nb))
     record.cores = cfg.num_cores
     record.steps_per_core = steps
-    record.cycles_per_step = cycles_fit.total(cfg.nb, cfg.nv_per_core) / steps
+    cycles_per_step = cycles_fit.total(cfg.nb, cfg.nv_per_core) / steps
+    record.cycles_per_step = cycles_per_step
     interior = cycles_fit.interior()
     record.interior_cycles_per_step = None if interior is None else interior / inner
     record.bundles_per_step = per_step("bundles")
     record.vmatmuls_per_step = per_step("vmatmuls")
     record.hbm_bytes_per_step = per_step("hbm_bytes")
     record.mxu_cycles_per_step = mxu
-    record.ratio = record.cycles_per_step / mxu
+    record.ratio = cycles_per_step / mxu
     record.hbm_us_per_step = record.hbm_bytes_per_step / chip.hbm_bytes_per_s * 1e6
     record.mxu_us_per_step = mxu / chip.clock_hz * 1e6
-    record.step_us = record.cycles_per_step / chip.clock_hz * 1e6
+    record.step_us = cycles_per_step / chip.clock_hz * 1e6
     record.kernel_us = record.step_us * steps
     record.hbm_floor_us = record.hbm_us_per_step * steps
     flops = 2 * len(kernel_matmuls(job.kernel, cfg.b, cfg.hp, cfg.vb)) * cfg.n * cfg.hp * cfg.v
@@ -114,7 +115,7 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
 
 def main(argv: list[str]) -> int:
     generation, profile_dir, jobs_path, out_path = argv
-    from ce_pallas_tpu import aot  # noqa: PLC0415
+    from ce_pallas_tpu import aot
 
     jobs = [Job.from_json(item) for item in json.loads(Path(jobs_path).read_text())]
     results = []
