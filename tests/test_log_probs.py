@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ce_core import linear_cross_entropy, linear_log_probs
-from ce_core.testing import TOLERANCES, Case, compare_with_oracle, log_probs_oracle, max_rel_error, random_problem
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ce_core import linear_cross_entropy, linear_log_probs
+from ce_core.testing import TOLERANCES, Case, compare_with_oracle, log_probs_oracle, max_rel_error, random_problem
 
 TEMPERATURES = (0.7, 1.0, 1.3)
 
