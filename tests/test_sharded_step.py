@@ -25,6 +25,9 @@ from ce_core.testing import max_rel_error, oracle, random_problem
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+#: The backend_name tests run on 8 simulated devices; interpreted pallas_tpu is covered by the
+#: 4-device tests below instead (see tests/conftest.py).
+EIGHT_DEVICE_MESHES = True
 MODES = ("explicit", "auto", "auto_set_mesh")
 H, V = 48, 320
 #: layout name -> (spec of x [batch, seq, H], spec of w [H, V], w's all-gathered shape or None)

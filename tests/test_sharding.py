@@ -22,6 +22,11 @@ SHARDED_CASES = [
 ]
 
 
+#: The backend_name tests run on 8 simulated devices; interpreted pallas_tpu on meshes is covered by
+#: the 4-device tests of tests/test_sharded_step.py instead (see tests/conftest.py).
+EIGHT_DEVICE_MESHES = True
+
+
 def make_mesh(data: int, vocab: int) -> Mesh:
     devices = jax.devices("cpu")
     assert len(devices) >= 8, "the root conftest asks XLA for 8 CPU devices"
@@ -35,6 +40,18 @@ def test_sharded_matches_oracle(mesh_shape, case):
                                 vocab_axis="vocab")
     x, labels, w = random_problem(0, (4, 10), 32, 200)
     compare_with_oracle("reference", case, x, labels, w, loss_fn=loss_fn)
+
+
+def test_pallas_tpu_through_the_wrapper_on_a_2x2_mesh(monkeypatch):
+    """The wrapper runs the real kernels per shard (race-checked TPU interpreter, two cores of a v5p)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
+    loss_fn = functools.partial(sharded_linear_cross_entropy, mesh=make_mesh(2, 2), vocab_axis="vocab")
+    x, labels, w = random_problem(1, (3, 11), 48, 328)  # 33 tokens: padded to 34 for 2 data shards
+    compare_with_oracle("pallas_tpu", SHARDED_CASES[-1], x, labels, w, loss_fn=loss_fn)
+    assert not interpret_pallas_call.races.races_found
 
 
 def test_every_backend_on_a_data_by_vocab_mesh(backend_name):
