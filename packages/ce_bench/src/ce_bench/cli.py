@@ -50,37 +50,25 @@ SUBCOMMANDS: dict[str, str] = {
 FAILED_STATUSES = ("failed", "unsupported")
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _checked[T](convert: Callable[[str], T], ok: Callable[[T], bool], expected: str) -> Callable[[str], T]:
+    """An argparse type: ``convert(text)`` when that works and satisfies ``ok``; else an error saying what
+    was ``expected`` (argparse adds the flag's name)."""
+
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_gib(text: str) -> float:
-    """argparse type: a finite number of GiB > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text!r}")
-    return value
+_positive_int = _checked(int, lambda value: value >= 1, "a positive integer")
+_non_negative_int = _checked(int, lambda value: value >= 0, "an integer >= 0")
+_positive_gib = _checked(float, lambda value: math.isfinite(value) and value > 0, "a positive number of GiB")
 
 
 def _subcommand_list() -> str:

@@ -117,10 +117,7 @@ def linear_log_probs(
         ``[0, V)``; under ``jit`` such a token's ``logp`` is NaN instead. Labels are never clamped.
       UnsupportedError: the named backend cannot run this call.
     """
-    x = validation.as_array(x, "x")
-    labels = validation.as_labels(labels)
-    w = validation.as_array(w, "w")
-    validation.check_arrays(x, labels, w, None)
+    x, labels, w, _ = validation.input_arrays(x, labels, w)
     validation.check_ignore_index(ignore_index)
     validation.check_soft_cap(logit_soft_cap)
     validation.check_temperature(temperature)

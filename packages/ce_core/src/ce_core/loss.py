@@ -167,11 +167,7 @@ def linear_cross_entropy(
         token's loss is NaN instead, so training notices. Labels are never clamped.
       UnsupportedError: the named backend cannot run this call.
     """
-    x = validation.as_array(x, "x")
-    labels = validation.as_labels(labels)
-    w = validation.as_array(w, "w")
-    weights = None if weights is None else validation.as_array(weights, "weights")
-    validation.check_arrays(x, labels, w, weights)
+    x, labels, w, weights = validation.input_arrays(x, labels, w, weights)
     validation.check_options(reduction, ignore_index, logsumexp_weight, logit_soft_cap, label_smoothing)
     validation.check_temperature(temperature)
     validation.check_vocab_axis_name(vocab_axis_name)

@@ -101,11 +101,7 @@ def sharded_linear_cross_entropy(
     """
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
     _check_mesh(mesh, batch_axes, vocab_axis)
-    x = validation.as_array(x, "x")
-    labels = validation.as_labels(labels)
-    w = validation.as_array(w, "w")
-    weights = None if weights is None else validation.as_array(weights, "weights")
-    validation.check_arrays(x, labels, w, weights)
+    x, labels, w, weights = validation.input_arrays(x, labels, w, weights)
     unknown = sorted(set(loss_kwargs) - _PASS_THROUGH)
     if unknown:
         raise ValueError(f"unexpected keyword argument(s) {unknown}; sharded_linear_cross_entropy passes on "

@@ -44,6 +44,16 @@ def as_labels(value: object) -> jax.Array:
     return as_array(value, "labels")
 
 
+def input_arrays(
+    x: object, labels: object, w: object, weights: object | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """The array arguments of every entry point as arrays, after :func:`check_arrays`."""
+    x_array, label_array, w_array = as_array(x, "x"), as_labels(labels), as_array(w, "w")
+    weight_array = None if weights is None else as_array(weights, "weights")
+    check_arrays(x_array, label_array, w_array, weight_array)
+    return x_array, label_array, w_array, weight_array
+
+
 def check_arrays(x: jax.Array, labels: jax.Array, w: jax.Array, weights: jax.Array | None) -> None:
     """Ranks, matching shapes and dtypes of the array arguments."""
     if not jnp.issubdtype(x.dtype, jnp.floating):

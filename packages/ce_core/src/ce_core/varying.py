@@ -22,6 +22,11 @@ def varying_axes(value: Any) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def varying_axes_of(*values: Any) -> frozenset[str]:
+    """Mesh axes over which any of ``values`` (arrays or pytrees of them; ``None`` is skipped) varies."""
+    return frozenset[str]().union(*(varying_axes(leaf) for leaf in jax.tree.leaves(values)))
+
+
 def vary(value: jax.Array, axes: frozenset[str]) -> jax.Array:
     """``value`` marked as varying over ``axes`` too (a no-op for axes it already varies over)."""
     missing = tuple(sorted(axes - varying_axes(value)))
@@ -34,7 +39,7 @@ def vary_like[Tree](tree: Tree, *refs: Any) -> Tree:
     For values made inside a shard (zeros of a loop carry, a cotangent) that must meet values
     derived from the sharded inputs.
     """
-    axes = frozenset[str]().union(*(varying_axes(r) for r in jax.tree.leaves(refs)))
+    axes = varying_axes_of(*refs)
     if not axes:
         return tree
     return jax.tree.map(lambda value: vary(value, axes), tree)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ce_core.varying import vary, varying_axes_of
 from ce_pallas_tpu import common
 
 
@@ -209,8 +210,8 @@ def backward_call(
         common.block_spec((cfg.hp, cfg.vb), w_block, w_buffers),
         pl.BlockSpec(memory_space=pl.ANY),
     ]
-    axes = common.varying_axes(*operands)
-    operands = [common.vary(value, axes) for value in operands]
+    axes = varying_axes_of(*operands)
+    operands = [vary(value, axes) for value in operands]
     out_shape = [
         common.out_type((cfg.hidden, cfg.v), w.dtype, axes),
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),

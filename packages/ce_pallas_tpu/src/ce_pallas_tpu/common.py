@@ -122,24 +122,6 @@ def zero_hidden_tail(x_ref, w_ref, hidden: int, hp: int) -> None:
         w_ref[tail, :] = jnp.where(rows < valid, w_ref[tail, :], jnp.zeros((), w_ref.dtype))
 
 
-def varying_axes(*values: jax.Array | None) -> frozenset:
-    """Mesh axes over which any of ``values`` varies inside ``shard_map`` (empty outside)."""
-    axes: frozenset = frozenset()
-    for value in values:
-        if value is None:
-            continue
-        aval = jax.typeof(value)
-        manual = getattr(aval, "mat", None)
-        axes |= frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
-    return axes
-
-
-def vary(value: jax.Array, axes: frozenset) -> jax.Array:
-    """``value`` made to vary over ``axes`` (a pallas_call wants all operands alike in shard_map)."""
-    missing = tuple(sorted(axes - varying_axes(value)))
-    return jax.lax.pcast(value, missing, to="varying") if missing else value
-
-
 def out_type(shape: tuple[int, ...], dtype, axes: frozenset) -> jax.ShapeDtypeStruct:
     """A pallas_call output type that varies over ``axes`` (required under ``check_vma``)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))

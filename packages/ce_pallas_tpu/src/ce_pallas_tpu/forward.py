@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ce_core.varying import vary, varying_axes_of
 from ce_pallas_tpu import common
 
 
@@ -195,8 +196,8 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     ]
     num_out = cfg.n_stats
     stat_spec = pl.BlockSpec((pl.squeezed, cfg.b, 1), lambda c, i, j, k: (c, i, 0))
-    axes = common.varying_axes(x, w, labels)
-    x, w, labels = (common.vary(value, axes) for value in (x, w, labels))
+    axes = varying_axes_of(x, w, labels)
+    x, w, labels = (vary(value, axes) for value in (x, w, labels))
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), jnp.float32, axes)] * num_out
     # Running max, running sum of exp, label logit (, logit sum)(, weighted sum) per row.
     scratch = [pltpu.VMEM((cfg.b, 1), jnp.float32)] * (cfg.n_stats + 1)
