@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import ce_pallas_tpu
-from ce_pallas_tpu import aot
-from ce_pallas_tpu import block_sizes as tiling
+from ce_pallas_tpu import aot, tiling
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 #: The real shapes of the issue: Llama-3 (8k tokens) and Qwen (32k tokens), bf16.

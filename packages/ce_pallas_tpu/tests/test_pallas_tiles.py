@@ -7,8 +7,7 @@ import pytest
 
 import ce_pallas_tpu
 from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
-from ce_pallas_tpu import block_sizes as tiling
-from ce_pallas_tpu import vmem
+from ce_pallas_tpu import cost_model, tiling
 from ce_pallas_tpu.ops import problem_shape
 from ce_pallas_tpu.target import CHIP_FACTS, Target, active_cores, current_target
 
@@ -44,8 +43,8 @@ def test_each_entry_is_used_at_its_bucket_and_fits_vmem(generation, bucket):
     tiles = tiling.tuned_tiles(shape, _target(generation))
     assert tiles.source == f"table:{generation}/{bucket}"
     budget = tiling.vmem_budget(_target(generation))
-    assert vmem.forward_bytes(shape, tiles.forward.b, tiles.forward.h, tiles.forward.v) <= budget
-    assert vmem.backward_bytes(shape, tiles.backward.b, tiles.backward.h, tiles.backward.v) <= budget
+    assert cost_model.forward_bytes(shape, tiles.forward.b, tiles.forward.h, tiles.forward.v) <= budget
+    assert cost_model.backward_bytes(shape, tiles.backward.b, tiles.backward.h, tiles.backward.v) <= budget
 
 
 @pytest.mark.parametrize("generation", [*GENERATIONS, "default"])
@@ -60,11 +59,11 @@ def test_inference_respects_each_generations_vmem(generation, dtype, n, h, v):
     except UnsupportedError:
         # Only float32 with a hidden size too large for a 16 MiB VMEM may be refused.
         assert dtype == jnp.float32 and target.vmem_bytes <= 16 * 2**20 and h >= 5120
-        assert vmem.backward_bytes(shape, 8, 512, 128) > budget
+        assert cost_model.backward_bytes(shape, 8, 512, 128) > budget
         return
     f, b = tiles.forward, tiles.backward
-    assert vmem.forward_bytes(shape, f.b, f.h, f.v) <= budget
-    assert vmem.backward_bytes(shape, b.b, b.h, b.v) <= budget
+    assert cost_model.forward_bytes(shape, f.b, f.h, f.v) <= budget
+    assert cost_model.backward_bytes(shape, b.b, b.h, b.v) <= budget
     assert shape.hp % f.h == 0 and shape.hp % b.h == 0
     assert (f.b % 8 == 0 or f.b == n) and (f.v % 128 == 0 or f.v == v)
 
@@ -75,7 +74,7 @@ def test_a_table_entry_that_does_not_fit_falls_back_to_inference():
     tiles = tiling.tuned_tiles(shape, _target("v4"))
     assert tiles.source == "inferred"
     budget = tiling.vmem_budget(_target("v4"))
-    assert vmem.backward_bytes(shape, tiles.backward.b, tiles.backward.h, tiles.backward.v) <= budget
+    assert cost_model.backward_bytes(shape, tiles.backward.b, tiles.backward.h, tiles.backward.v) <= budget
 
 
 def test_small_dimensions_become_whole_dimension_blocks():

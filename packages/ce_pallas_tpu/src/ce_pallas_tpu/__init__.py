@@ -3,14 +3,14 @@
 Registered as the ``pallas_tpu`` backend (entry point group ``ce_core.backends``). The kernels
 compute the row statistics of ``cap(x @ w)`` (lse, label logit, logit sum) and their VJP without
 the ``[N, V]`` logits ever leaving VMEM. ``CE_PALLAS_TPU_INTERPRET=1`` runs them in Pallas' TPU
-interpret mode on CPU; ``CE_PALLAS_TPU_TARGET=v5p`` (or v4, v5e, v6e) targets a generation for
+interpret mode on CPU; ``CE_PALLAS_TPU_TARGET=v5p`` (or v4, v5e, v6e, tpu7x) targets a generation for
 ahead-of-time compilation. See the package README.
 """
 
 from ce_pallas_tpu.backend import PallasTpuBackend, make_backend
-from ce_pallas_tpu.block_sizes import TUNED, FittedTiles, KernelTiles, Tiles, shape_bucket
 from ce_pallas_tpu.ops import describe_plan, make_plan, row_stats
 from ce_pallas_tpu.target import Target, current_target
+from ce_pallas_tpu.tiling import TUNED, FittedTiles, KernelTiles, Tiles, shape_bucket
 
 __version__ = "0.2.0"
 

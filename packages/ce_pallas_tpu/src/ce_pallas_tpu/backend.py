@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from ce_core import Backend, Problem, RowStats, StatsSpec, UnsupportedError
 from ce_pallas_tpu import ops, target
-from ce_pallas_tpu.block_sizes import Tiles
+from ce_pallas_tpu.tiling import Tiles
 
 #: Input dtypes the kernels take (the MXU has no float16 path on v4/v5).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

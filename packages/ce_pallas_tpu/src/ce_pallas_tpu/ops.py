@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import BlockSizes, RowStats, StatsSpec
-from ce_pallas_tpu import block_sizes as tiling
+from ce_pallas_tpu import tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
+from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
-from ce_pallas_tpu.vmem import Shape
 
 LANES = 128
 

@@ -1,4 +1,4 @@
-"""VMEM footprint and roofline time of the two kernels for a choice of tiles (estimates, bytes).
+"""The cost model of the two kernels: VMEM footprint and roofline time for a choice of tiles (estimates).
 
 The footprints count every pipelined block with its buffer count, the scratch, and a margin for
 the ``[b, v]`` float32 temporaries Mosaic keeps while it evaluates the elementwise tail (logits,

@@ -12,7 +12,7 @@ Order of precedence:
    below); a size the kernels cannot use is a ``ValueError`` that says why;
 2. the tuned table ``TUNED[(generation, bucket)]``, if the entry fits this problem's VMEM;
 3. inference: the tiles with the least roofline time (compute vs HBM traffic vs per-step cost,
-   :mod:`ce_pallas_tpu.vmem`) among those whose footprint fits the generation's VMEM budget.
+   :mod:`ce_pallas_tpu.cost_model`) among those whose footprint fits the generation's VMEM budget.
 
 A tile larger than its dimension covers the whole dimension (the block then equals the array's
 extent, which every TPU layout accepts).
@@ -24,9 +24,9 @@ import dataclasses
 import itertools
 
 from ce_core import BlockSizes, UnsupportedError
-from ce_pallas_tpu import vmem
+from ce_pallas_tpu import cost_model
+from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.target import CHIP_FACTS, Target
-from ce_pallas_tpu.vmem import Shape
 
 #: Share of a core's VMEM the chosen tiles may use; the rest is Mosaic's internal scratch and slack.
 VMEM_BUDGET_FRACTION = 0.8
@@ -182,8 +182,8 @@ def _fit(shape: Shape, tiles: KernelTiles, *, backward: bool) -> FittedTiles:
 
 def _fits(shape: Shape, forward: FittedTiles, backward: FittedTiles, budget: int) -> bool:
     return (
-        vmem.forward_bytes(shape, forward.b, forward.h, forward.v) <= budget
-        and vmem.backward_bytes(shape, backward.b, backward.h, backward.v) <= budget
+        cost_model.forward_bytes(shape, forward.b, forward.h, forward.v) <= budget
+        and cost_model.backward_bytes(shape, backward.b, backward.h, backward.v) <= budget
     )
 
 
@@ -201,22 +201,22 @@ def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
     forward_options = []
     for b, v, h in itertools.product(tokens, columns, hiddens):
         tiles = _fit(shape, KernelTiles(b, h, v), backward=False)
-        need = vmem.forward_bytes(shape, tiles.b, tiles.h, tiles.v)
+        need = cost_model.forward_bytes(shape, tiles.b, tiles.h, tiles.v)
         if need <= budget:
-            seconds = vmem.forward_seconds(shape, facts, target.num_cores, tiles.b, tiles.h, tiles.v)
+            seconds = cost_model.forward_seconds(shape, facts, target.num_cores, tiles.b, tiles.h, tiles.v)
             forward_options.append((seconds, need, tiles))
 
     backward_options = []
     for b, v in itertools.product(tokens, columns):
         tiles = _fit(shape, KernelTiles(b, 512, v), backward=True)
-        need = vmem.backward_bytes(shape, tiles.b, tiles.h, tiles.v)
+        need = cost_model.backward_bytes(shape, tiles.b, tiles.h, tiles.v)
         if need <= budget:
-            seconds = vmem.backward_seconds(shape, facts, target.num_cores, tiles.b, tiles.v)
+            seconds = cost_model.backward_seconds(shape, facts, target.num_cores, tiles.b, tiles.v)
             backward_options.append((seconds, need, tiles))
 
     if not forward_options or not backward_options:
         smallest = _fit(shape, KernelTiles(8, 128, 128), backward=True)
-        need = vmem.backward_bytes(shape, smallest.b, smallest.h, smallest.v)
+        need = cost_model.backward_bytes(shape, smallest.b, smallest.h, smallest.v)
         raise UnsupportedError(
             f"pallas_tpu: hidden size H={shape.hp} needs at least {need / 2**20:.1f} MiB of VMEM even "
             f"with the smallest tiles, more than the {budget / 2**20:.1f} MiB budget on {target.generation}"
@@ -245,7 +245,7 @@ def tuned_tiles(shape: Shape, target: Target) -> Tiles:
 
 def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
     """Two VMEM buffers for the backward's ``w`` and ``dw`` blocks where they fit the budget, else one."""
-    double = vmem.backward_bytes(shape, tiles.b, tiles.h, tiles.v, single_w=False)
+    double = cost_model.backward_bytes(shape, tiles.b, tiles.h, tiles.v, single_w=False)
     return 2 if double <= vmem_budget(target) else 1
 
 
@@ -285,8 +285,8 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None) 
         shape, KernelTiles(b or base.backward.b, h or base.backward.h, v or base.backward.v), backward=True
     )
     capacity = target.vmem_bytes
-    need_forward = vmem.forward_bytes(shape, forward.b, forward.h, forward.v)
-    need_backward = vmem.backward_bytes(shape, backward.b, backward.h, backward.v)
+    need_forward = cost_model.forward_bytes(shape, forward.b, forward.h, forward.v)
+    need_backward = cost_model.backward_bytes(shape, backward.b, backward.h, backward.v)
     if max(need_forward, need_backward) > vmem_limit(target):
         raise ValueError(
             f"pallas_tpu: {block_sizes} needs about {need_forward / 2**20:.1f} MiB (forward) and "
