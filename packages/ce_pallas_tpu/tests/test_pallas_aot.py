@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for v4, v5e, v5p and v6e through libtpu's deviceless topologies.
+"""Ahead-of-time compilation for v4, v5e, v5p, v6e and TPU7x through libtpu's deviceless topologies.
 
 Compile only, nothing runs: the real TPU compiler lowers both kernels (Mosaic, VMEM limits) inside
 ``value_and_grad`` of the loss, and ``memory_analysis()`` gives the HBM temporaries. libtpu comes with
@@ -15,7 +15,7 @@ import pytest
 import ce_pallas_tpu
 from ce_pallas_tpu import aot, tiling
 
-GENERATIONS = ("v4", "v5e", "v5p", "v6e")
+GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 #: The real shapes of the issue: Llama-3 (8k tokens) and Qwen (32k tokens), bf16.
 REAL_SHAPES = [(8192, 4096, 128256), (32768, 2048, 151936)]
 

@@ -10,8 +10,9 @@ from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
 from ce_pallas_tpu import cost_model, tiling
 from ce_pallas_tpu.ops import problem_shape
 from ce_pallas_tpu.target import CHIP_FACTS, Target, active_cores, current_target
+from ce_pallas_tpu.tiling import KernelTiles, TunedEntry
 
-GENERATIONS = ("v4", "v5e", "v5p", "v6e")
+GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 
 
 #: The default statistics: a plain loss (no logit sum, no expected logit).
@@ -31,7 +32,8 @@ def test_table_covers_every_generation_and_bucket():
     assert buckets == set(tiling.BUCKET_EXAMPLES)
     for generation in GENERATIONS:
         for bucket in buckets:
-            assert (generation, bucket) in tiling.TUNED
+            assert (generation, bucket) in tiling.tuned_table()
+    assert tiling.tuned_table() is ce_pallas_tpu.TUNED
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
@@ -75,6 +77,38 @@ def test_a_table_entry_that_does_not_fit_falls_back_to_inference():
     assert tiles.source == "inferred"
     budget = tiling.vmem_budget(_target("v4"))
     assert cost_model.backward_bytes(shape, tiles.backward.b, tiles.backward.h, tiles.backward.v) <= budget
+
+
+def test_an_entry_above_the_models_budget_is_used_where_it_needs_no_more_than_where_it_compiled(monkeypatch):
+    """The VMEM model only prefilters the tuner's candidates; libtpu's compile at the bucket's example
+    shape decides. Such an entry (and its w_buffers) is used wherever the model says it needs no more
+    VMEM than at that shape, and not where it needs more (float32 here)."""
+    target = _target("v5p")
+    backward = KernelTiles(256, 512, 1024, w_buffers=1)
+    example = tiling.bucket_example("llama3")
+    assert cost_model.backward_bytes(example, 256, 512, 1024) > tiling.vmem_budget(target)
+    monkeypatch.setitem(ce_pallas_tpu.TUNED, ("v5p", "llama3"), TunedEntry(KernelTiles(512, None, 512), backward))
+    shape = _shape(8192, 4096, 128256)
+    tiles = tiling.tuned_tiles(shape, target)
+    assert tiles.source == "table:v5p/llama3"
+    assert (tiles.backward.b, tiles.backward.v, tiles.backward.w_buffers) == (256, 1024, 1)
+    assert tiling.backward_w_buffers(shape, tiles.backward, target) == 1
+    assert tiling.tuned_tiles(_shape(4096, 4096, 100000), target).source == "table:v5p/llama3"
+    assert tiling.tuned_tiles(_shape(8192, 4096, 128256, jnp.float32), target).source == "inferred"
+
+
+def test_an_entry_with_two_w_buffers_falls_back_to_one_before_inference(monkeypatch):
+    target = _target("v5e")
+    entry = TunedEntry(KernelTiles(512, None, 512), KernelTiles(256, 512, 1536, w_buffers=2))
+    monkeypatch.setitem(ce_pallas_tpu.TUNED, ("v5e", "llama3"), entry)
+    assert tiling.tuned_tiles(_shape(8192, 4096, 128256), target).backward.w_buffers == 2
+    # A logit soft cap adds temporaries: no longer within the example's footprint with two buffers.
+    capped = _shape(8192, 4096, 128256, spec=StatsSpec(logit_soft_cap=30.0))
+    need = cost_model.backward_bytes(capped, 256, 512, 1536, single_w=False)
+    assert need > max(tiling.vmem_budget(target),
+                      cost_model.backward_bytes(tiling.bucket_example("llama3"), 256, 512, 1536, single_w=False))
+    tiles = tiling.tuned_tiles(capped, target)
+    assert tiles.source == "table:v5e/llama3" and tiles.backward.w_buffers == 1
 
 
 def test_small_dimensions_become_whole_dimension_blocks():

@@ -10,7 +10,8 @@ ahead-of-time compilation. See the package README.
 from ce_pallas_tpu.backend import PallasTpuBackend, make_backend
 from ce_pallas_tpu.ops import describe_plan, make_plan, row_stats
 from ce_pallas_tpu.target import Target, current_target
-from ce_pallas_tpu.tiling import TUNED, FittedTiles, KernelTiles, Tiles, shape_bucket
+from ce_pallas_tpu.tiling import FittedTiles, KernelTiles, Tiles, TunedEntry, shape_bucket
+from ce_pallas_tpu.tuned import TUNED
 
 __version__ = "0.2.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "PallasTpuBackend",
     "Target",
     "Tiles",
+    "TunedEntry",
     "current_target",
     "describe_plan",
     "make_backend",
