@@ -216,7 +216,7 @@ def test_sharding_on_a_tpu_topology_compiles_without_a_tpu(tmp_path: Path, monke
 
 # --- the command line's contract: help, usage errors, exit statuses, progress bar ---------------
 
-SUBCOMMAND_NAMES = ("run", "aot", "schedule", "sharding", "report", "list")
+SUBCOMMAND_NAMES = ("run", "aot", "schedule", "tune", "sharding", "report", "list")
 
 
 def test_help_lists_every_subcommand_with_a_description(capsys: pytest.CaptureFixture[str]) -> None:
@@ -252,6 +252,13 @@ USAGE_ERRORS = [
     (["aot", "--target", "v5p", "--tokens", "0"], ["--tokens", "positive integer"]),
     (["aot", "--target", "v5p", "--backends", "xla,tokamax:nope"], ["--backends", "'tokamax:nope'"]),
     (["schedule", "--target", "v5p", "--shapes", "12x3"], ["--shapes", "malformed shape '12x3'"]),
+    (["tune", "--target", "v4"], ["--target", "invalid choice: 'v4'"]),
+    (["tune", "--target", "v5e", "--buckets", "llama3,nope"], ["unknown bucket(s) nope", "huge_batch"]),
+    (["tune", "--target", "v5e", "--candidates", "0"], ["--candidates", "positive integer"]),
+    (["tune", "--target", "v5e", "--kernels", "sideways"], ["--kernels", "'sideways'"]),
+    (["tune", "--target", "v5e", "--kernels", "forward", "--write"], ["--write needs both kernels"]),
+    (["tune", "--target", "v5e", "--shape", "512x256x2048", "--write"], ["--write", "leave out --shape"]),
+    (["tune", "--target", "v5e", "--shape", "12x3"], ["malformed shape '12x3'"]),
     (["sharding", "--meshes", "2x"], ["--meshes", "DATAxVOCAB"]),
     (["sharding", "--time", "-1"], ["--time", ">= 0"]),
     (["sharding", "--backends", "no_such_backend"], ["--backends", "unknown backend 'no_such_backend'"]),

@@ -3,8 +3,9 @@ print the table, write JSON and a PNG.
 
     ce-bench [--backends a,b] [--shapes small,llama3-8b,NxHxV] [--dtype float32] [--reduction mean]
              [--repeats 5] [--json PATH] [--plot PATH] [--out DIR] [--compile-only] ...
-    ce-bench aot --target v4|v5e|v5p|v6e [--shapes ...] [--dtype bfloat16] ...
+    ce-bench aot --target v4|v5e|v5p|v6e|tpu7x [--shapes ...] [--dtype bfloat16] ...
     ce-bench schedule --target v5e|v5p|v6e|tpu7x [--shapes ...] [--kernels forward,backward] ...
+    ce-bench tune --target v5e|v5p|v6e|tpu7x [--buckets llama3,huge_batch] [--candidates 3] [--write]
     ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8]
                       [--calls wrapper,explicit,auto] [--time REPEATS]
     ce-bench report RESULTS.json [...] [--plot PATH] [--format markdown]
@@ -12,7 +13,8 @@ print the table, write JSON and a PNG.
 
 Exit status: 0 when something ran (or compiled), 2 for a usage error (an unknown subcommand or
 backend, a malformed or out-of-range option, an unreadable report file), 1 when every backend row
-failed or was unsupported (``schedule``: when any kernel could not be scheduled).
+failed or was unsupported (``schedule``: when any kernel could not be scheduled; ``tune``: when no bucket
+could be tuned).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ SUBCOMMANDS: dict[str, str] = {
     "run": "head-to-head run: time, memory and error of each backend (the default without a subcommand)",
     "aot": "compile for a TPU generation without a TPU (libtpu): HBM temporaries and block sizes",
     "schedule": "libtpu's static schedule of the pallas_tpu kernels per grid step (no TPU needed)",
+    "tune": "choose pallas_tpu's tiles per shape bucket from static schedules; --write regenerates its table",
     "sharding": "per-device temporary memory of the sharded loss on simulated device meshes",
     "report": "the table (and PNG) again, from JSON files of earlier runs",
     "list": "presets and the backends available here",
@@ -339,6 +342,86 @@ def main_schedule(argv: Sequence[str]) -> int:
     return 0
 
 
+def tune_parser() -> argparse.ArgumentParser:
+    """The parser of ``ce-bench tune``."""
+    from ce_bench.schedule import SCHEDULE_TARGETS
+
+    parser = argparse.ArgumentParser(
+        prog="ce-bench tune",
+        description="Choose pallas_tpu's tiles for a TPU generation without a TPU: per shape bucket, compile "
+                    "candidate tiles at the bucket's example shape (today's entry always among them; the VMEM model "
+                    "only prefilters, libtpu's compile decides), read their static schedules and keep the one with "
+                    "the least estimated kernel time. --write regenerates ce_pallas_tpu/tuned.py: this generation's "
+                    "entries for these buckets are replaced, the others kept.")
+    parser.add_argument("--target", required=True, choices=SCHEDULE_TARGETS, help="TPU generation")
+    parser.add_argument("--buckets", default=None, metavar="A,B",
+                        help="shape buckets (default: all: small, wide, huge_batch, large_vocab, llama3)")
+    parser.add_argument("--kernels", default="forward,backward", help="comma-separated: forward, backward")
+    parser.add_argument("--candidates", type=_positive_int, default=3, metavar="K",
+                        help="candidates compiled and measured per kernel and bucket (default: 3)")
+    parser.add_argument("--shape", default=None, metavar="NxHxV",
+                        help="measure every bucket at this shape instead of its example shape (a quick check; "
+                             "cannot be written)")
+    parser.add_argument("--write", action="store_true",
+                        help="write the winners into ce_pallas_tpu/tuned.py (needs both kernels)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every measured candidate here")
+    parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
+    parser.add_argument("--quiet", action="store_true", help="no per-compile progress lines")
+    return parser
+
+
+def main_tune(argv: Sequence[str]) -> int:
+    """``ce-bench tune --target ...``: regenerate pallas_tpu's tuned tiles from libtpu's static schedules."""
+    from ce_bench import tune
+
+    parser = tune_parser()
+    args = parser.parse_args(argv)
+    shape = None
+    try:
+        buckets = tune.parse_buckets(args.buckets)
+        kernels = [kernel.strip() for kernel in args.kernels.split(",") if kernel.strip()]
+        if not kernels or set(kernels) - set(tune.KERNELS):
+            raise ValueError(f"--kernels takes {', '.join(tune.KERNELS)}, got {args.kernels!r}")
+        if args.shape is not None:
+            parsed = presets.parse_shapes(args.shape, reduced_for_cpu=False, default=())
+            if len(parsed) != 1:
+                raise ValueError(f"--shape takes one shape (NxHxV or a preset), got {args.shape!r}")
+            shape = (parsed[0].n, parsed[0].h, parsed[0].v)
+        if args.write and set(kernels) != set(tune.KERNELS):
+            raise ValueError("--write needs both kernels (leave out --kernels)")
+        if args.write and shape is not None:
+            raise ValueError("--write keeps tiles measured at the buckets' example shapes; leave out --shape")
+    except ValueError as error:
+        parser.error(str(error))
+    _quiet_libraries()
+    print(f"ce-bench tune: tiles for TPU {args.target} from libtpu's static schedules, no TPU present", flush=True)
+    start = time.perf_counter()
+    try:
+        report = tune.run_tune(args.target, buckets, kernels, args.candidates, write=args.write, shape=shape,
+                               quiet=args.quiet)
+    except tune.TuneUnavailableError as error:
+        print(f"ce-bench tune: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(tune.tune_table(report.rows, args.format))
+    if report.path is not None:
+        print(f"\ntable written: {report.path}")
+    if args.json:
+        import json
+
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report.rows, indent=2) + "\n", encoding="utf-8")
+        print(f"\nJSON: {path}")
+    print(f"\n{len(report.rows)} candidates measured in {time.perf_counter() - start:.0f} s")
+    if report.failed:
+        print(f"ce-bench tune: nothing could be measured for {', '.join(report.failed)} (entries left as they were)",
+              file=sys.stderr)
+    if len(report.failed) == len(buckets):
+        return 1
+    return 0
+
+
 def _parse_meshes(spec: str) -> list[tuple[int, int]]:
     """``--meshes``: comma-separated ``DATAxVOCAB`` pairs of positive integers."""
     meshes = []
@@ -465,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         return main_run(argv)
     handlers: dict[str, Callable[[Sequence[str]], int]] = {
-        "run": main_run, "aot": main_aot, "schedule": main_schedule, "sharding": main_sharding,
+        "run": main_run, "aot": main_aot, "schedule": main_schedule, "tune": main_tune, "sharding": main_sharding,
         "report": main_report, "list": main_list,
     }
     assert set(handlers) == set(SUBCOMMANDS)

@@ -1,0 +1,127 @@
+"""``ce-bench tune``: choose pallas_tpu's tiles from libtpu's static schedules (no TPU needed).
+
+The search lives in :mod:`ce_pallas_tpu.tune`; this module runs it for the buckets asked for,
+prints every measured candidate and the winners, and with ``write`` re-renders the generated table
+:mod:`ce_pallas_tpu.tuned` bucket by bucket (an interrupted run keeps what it finished).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ce_bench.report import _Notes, _render
+
+KERNELS = ("forward", "backward")
+
+
+class TuneUnavailableError(RuntimeError):
+    """ce_pallas_tpu or libtpu is missing."""
+
+
+@dataclasses.dataclass
+class TuneReport:
+    """Every measured candidate (one JSON object each), the buckets left as they were, and the table path."""
+
+    rows: list[dict[str, Any]]
+    failed: list[str]
+    path: Path | None
+
+
+def bucket_names() -> list[str]:
+    from ce_pallas_tpu.tiling import BUCKET_EXAMPLES
+
+    return list(BUCKET_EXAMPLES)
+
+
+def parse_buckets(spec: str | None) -> list[str]:
+    """``--buckets``: comma-separated bucket names (default: all of them)."""
+    known = bucket_names()
+    buckets = [item.strip() for item in (spec or "").split(",") if item.strip()] or known
+    unknown = [bucket for bucket in buckets if bucket not in known]
+    if unknown:
+        raise ValueError(f"unknown bucket(s) {', '.join(unknown)}; use {', '.join(known)}")
+    return list(dict.fromkeys(buckets))
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def libtpu_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNELS, candidates: int = 3, *,
+             write: bool = False, shape: tuple[int, int, int] | None = None, quiet: bool = False) -> TuneReport:
+    """Tune each bucket's kernels on ``target``; ``write``: re-render the table after each bucket.
+
+    ``shape`` replaces every bucket's example shape (tests); it cannot be written.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise TuneUnavailableError("tuning needs libtpu: pip install 'ce-pallas-tpu[tpu]' (Linux x86-64)")
+    try:
+        from ce_pallas_tpu import tune
+        from ce_pallas_tpu.tiling import BUCKET_EXAMPLES
+    except ImportError as error:
+        raise TuneUnavailableError(f"tuning needs ce-pallas-tpu[tpu] ({error})") from error
+    if write and (shape is not None or set(kernels) != set(KERNELS)):
+        raise ValueError("writing the table needs both kernels at the buckets' own example shapes")
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    path = None
+    for bucket in buckets:
+        n, h, v = shape or BUCKET_EXAMPLES[bucket]
+        _log(f"{target} {bucket} ({n}x{h}x{v}):")
+        try:
+            choices = {kernel: tune.tune_kernel(target, bucket, kernel, max_candidates=candidates, shape=shape,
+                                                quiet=quiet, log=_log)
+                       for kernel in kernels}
+        except tune.TuneError as error:  # nothing compiled or could be measured: the entry stays
+            _log(f"  {bucket}: {error}; its entry is left as it was")
+            failed.append(bucket)
+            continue
+        for choice in choices.values():
+            for tiles, record in choice.measured:
+                row = record.to_json()
+                row.update(bucket=bucket, w_buffers=tiles.w_buffers, chosen=tiles == choice.tiles,
+                           incumbent=choice.incumbent is not None and tune.same_tiles(tiles, choice.incumbent),
+                           estimated_us=tune.estimated_us(record) if record.error is None else None)
+                rows.append(row)
+        if write:
+            entry = tune.entry_from(choices["forward"], choices["backward"])
+            path = tune.write_table(target, {bucket: entry}, libtpu_version=libtpu_version())
+            _log(f"  {bucket}: written to {path}")
+    return TuneReport(rows, failed, path)
+
+
+def _tiles(row: dict[str, Any]) -> str:
+    return "-" if row["tiles"] is None else "/".join(str(t) for t in row["tiles"])
+
+
+def tune_table(rows: Sequence[dict[str, Any]], fmt: str = "text") -> str:
+    """Each measured candidate: tiles, ratio, HBM vs MXU time per step, estimated kernel time, kept."""
+    notes = _Notes()
+    headers = ["target", "bucket", "kernel", "tiles b/h/v", "w bufs", "ratio", "HBM us/step", "MXU us/step",
+               "est. kernel ms", "today", "kept"]
+    lines = []
+    for row in rows:
+        mark = ("yes" if row["incumbent"] else ""), ("yes" if row["chosen"] else "")
+        if row.get("error"):
+            lines.append([row["generation"], row["bucket"], row["kernel"], _tiles(row), "-",
+                          "failed" + notes.ref(row["error"]), "-", "-", "-", *mark])
+            continue
+        lines.append([row["generation"], row["bucket"], row["kernel"], _tiles(row), str(row["w_buffers"] or "-"),
+                      f"{row['ratio']:.3f}", f"{row['hbm_us_per_step']:.2f}", f"{row['mxu_us_per_step']:.2f}",
+                      f"{row['estimated_us'] / 1e3:.2f}", *mark])
+    return _render(headers, lines, notes, fmt, right={5, 6, 7, 8})

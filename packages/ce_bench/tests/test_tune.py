@@ -1,0 +1,57 @@
+"""``ce-bench tune``: pallas_tpu's tiles chosen from libtpu's static schedules (compile only, no TPU).
+
+Runs the real search on one bucket at a small shape with one candidate per kernel so that it cannot
+rot; asserts what the records must satisfy by construction, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ce_bench import cli
+from ce_pallas_tpu import tune
+from ce_pallas_tpu.schedule import mxu_cycles
+
+N, H, V = 512, 256, 2048
+
+
+def test_tune_measures_todays_entry_first_and_keeps_a_measured_candidate(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    json_path = tmp_path / "tune.json"
+    code = cli.main(["tune", "--target", "v5e", "--buckets", "llama3", "--candidates", "1", "--shape",
+                     f"{N}x{H}x{V}", "--json", str(json_path), "--quiet"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "ratio" in printed and "HBM us/step" in printed and "kept" in printed
+    rows = json.loads(json_path.read_text())
+    assert [row["kernel"] for row in rows] == ["forward", "backward"]
+    problem = tune.example_problem(N, H, V)
+    for row in rows:
+        assert row["error"] is None, row
+        assert (row["generation"], row["bucket"], row["n"], row["h"], row["v"]) == ("v5e", "llama3", N, H, V)
+        # One candidate: today's entry (fitted to the small shape), and it is kept.
+        incumbent = tune.incumbent_tiles("v5e", "llama3", row["kernel"], problem)
+        assert incumbent is not None
+        b, h, vb = row["tiles"]
+        assert (b, vb) == (incumbent.b, incumbent.v)
+        assert row["incumbent"] and row["chosen"]
+        assert row["mxu_cycles_per_step"] == mxu_cycles("v5e", row["kernel"], b, h if row["kernel"] == "forward"
+                                                        else H, vb)
+        assert row["ratio"] == pytest.approx(row["cycles_per_step"] / row["mxu_cycles_per_step"])
+        assert row["estimated_us"] >= row["kernel_us"]
+    assert rows[1]["w_buffers"] in (1, 2)
+
+
+def test_tune_exits_1_when_no_bucket_could_be_measured(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    def nothing_compiles(generation: str, bucket: str, kernel: str, **_: object) -> tune.KernelChoice:
+        raise tune.TuneError(f"no {kernel} candidate compiles for {generation}/{bucket}")
+
+    monkeypatch.setattr(tune, "tune_kernel", nothing_compiles)
+    assert cli.main(["tune", "--target", "v6e", "--buckets", "small,wide", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "nothing could be measured for small, wide" in captured.err
+    assert "0 candidates measured" in captured.out

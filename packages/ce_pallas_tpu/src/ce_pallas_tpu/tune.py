@@ -1,0 +1,345 @@
+"""Tile tuning without a TPU: compile candidate tiles, read their static schedules, keep the fastest.
+
+For one generation, one shape bucket (at the bucket's example shape, bfloat16) and one kernel:
+
+1. candidates: today's table entry first (so a retune never makes things worse), then token x
+   vocab blocks (the forward keeps ``x`` resident, the backward forms its ``dx``/``dw`` products in
+   512-row hidden chunks) whose analytic HBM time per step stays below their MXU time and whose
+   footprint by the VMEM model (:mod:`ce_pallas_tpu.cost_model`) is within reach. The model
+   over-estimates, so it only prefilters (:data:`VMEM_PREFILTER_SLACK`); libtpu's compile decides.
+   Ranked: comfortably compute-bound (HBM under :data:`HBM_COMFORT` of MXU time) with a step long
+   enough to hide the per-step cost (:data:`MIN_STEP_CYCLES`) first, then the smallest footprint;
+2. each candidate is compiled alone at full size for the generation; a backward one with two
+   ``w``/``dw`` buffers first, then with one. What libtpu refuses (VMEM) is dropped;
+3. the first ``max_candidates`` that compile are measured by :func:`ce_pallas_tpu.schedule.measure`;
+4. the winner has the least estimated kernel time (:func:`estimated_us`).
+
+``ce-bench tune --target <generation> [--write]`` runs this per bucket and, with ``--write``,
+re-renders :mod:`ce_pallas_tpu.tuned` (:func:`write_table`): the generation's entries replaced, the
+others kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from ce_pallas_tpu import schedule
+from ce_pallas_tpu.cost_model import Shape, backward_bytes, forward_bytes
+from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
+from ce_pallas_tpu.target import CHIP_FACTS, Target
+from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, LANES, KernelTiles, TunedEntry, fit_tiles, tuned_table, vmem_limit
+
+#: Candidates may exceed the usable VMEM by this factor in the model: the compile decides.
+VMEM_PREFILTER_SLACK = 1.35
+#: A candidate's analytic HBM time per step must stay below this share of its MXU time...
+HBM_SHARE = 0.8
+#: ...and candidates under this share, with at least this many MXU cycles per step, come first.
+HBM_COMFORT = 0.6
+MIN_STEP_CYCLES = 16384
+FORWARD_TOKENS = (256, 512, 1024, 2048)
+FORWARD_COLUMNS = (256, 512, 1024, 2048)
+BACKWARD_TOKENS = (128, 256, 512, 1024)
+BACKWARD_COLUMNS = (512, 1024, 1536, 2048)
+BACKWARD_CHUNK = 512
+
+#: Generation order of the rendered table; v4 cannot be measured (libtpu has no DMA model for it).
+GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+V4_NOTE = "not measurable: libtpu has no DMA model for v4; roofline seed, compiled by the tests"
+
+V4_COMMENT = (
+    "v4: libtpu has no DMA model for v4, so its static schedule cannot be walked: these stay the",
+    "roofline seeds (the inference rule at each bucket's example shape), ratio None, compiled for",
+    "v4 by the test suite.",
+)
+
+#: The generated module :func:`write_table` renders.
+TUNED_MODULE = Path(__file__).parent / "tuned.py"
+
+
+def example_problem(n: int, h: int, v: int) -> Shape:
+    """A plain bfloat16 problem as the tile rules see it."""
+    return Shape(n, -(-h // LANES) * LANES, v, 2, 2, with_sum=False, capped=False)
+
+
+def _prefilter_bytes(generation: str) -> float:
+    return vmem_limit(Target(generation, CHIP_FACTS[generation].num_cores, None)) * VMEM_PREFILTER_SLACK
+
+
+def _rank(hbm_share: float, cycles: float, need: int, *, few_rows: bool = False) -> tuple[bool, bool, int]:
+    return (few_rows, hbm_share > HBM_COMFORT or cycles < MIN_STEP_CYCLES, need)
+
+
+def _ranked(options: list[tuple[tuple[bool, bool, int], KernelTiles]]) -> list[KernelTiles]:
+    return list(dict.fromkeys(tiles for _, tiles in sorted(options, key=lambda item: item[0])))
+
+
+def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
+    """Forward tiles worth compiling, best guess first (``x`` resident: ``h=None``)."""
+    chip = SCHEDULE_CHIPS[generation]
+    limit = _prefilter_bytes(generation)
+    options = []
+    for b, vb in itertools.product(FORWARD_TOKENS, FORWARD_COLUMNS):
+        b, vb = min(b, shape.n), min(vb, shape.v)
+        cycles = mxu_cycles(generation, "forward", b, shape.hp, vb)
+        mxu_s = cycles / chip.clock_hz
+        hbm_s = shape.hp * vb * shape.w_bytes / chip.hbm_bytes_per_s  # the w block; x stays resident
+        need = forward_bytes(shape, b, shape.hp, vb)
+        if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
+            options.append((_rank(hbm_s / mxu_s, cycles, need), KernelTiles(b, None, vb)))
+    return _ranked(options)
+
+
+def backward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
+    """Backward tiles worth compiling, best guess first."""
+    chip = SCHEDULE_CHIPS[generation]
+    limit = _prefilter_bytes(generation)
+    options = []
+    for b, vb in itertools.product(BACKWARD_TOKENS, BACKWARD_COLUMNS):
+        b, vb = min(b, shape.n), min(vb, shape.v)
+        cycles = mxu_cycles(generation, "backward", b, shape.hp, vb)
+        mxu_s = cycles / chip.clock_hz
+        hbm_s = b * shape.hp * (shape.x_bytes + 8) / chip.hbm_bytes_per_s  # x, and the dx partial in and out
+        need = backward_bytes(shape, b, BACKWARD_CHUNK, vb)
+        if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
+            # Fewer than 256 token rows per step underfeed the logits and dx products (the MXU
+            # reloads its weights every b rows): last resort, for hidden sizes where nothing else fits.
+            rank = _rank(hbm_s / mxu_s, cycles, need, few_rows=b < 256)
+            options.append((rank, KernelTiles(b, BACKWARD_CHUNK, vb)))
+    return _ranked(options)
+
+
+def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles) -> str | None:
+    """Why libtpu does not compile the kernel alone at full size with these tiles (None: it does)."""
+    import jax
+
+    from ce_core import StatsSpec
+    from ce_pallas_tpu import aot
+    from ce_pallas_tpu.schedule.programs import kernel_config, kernel_program
+
+    try:
+        with aot.compiling_for(generation) as device:
+            cfg = kernel_config(kernel, shape.n, shape.hp, shape.v, "bfloat16", "bfloat16", StatsSpec(),
+                                (tiles.b, tiles.h, tiles.v), tiles.w_buffers)
+            fn, args = kernel_program(kernel, cfg, "bfloat16", "bfloat16",
+                                      jax.sharding.SingleDeviceSharding(device))
+            jax.jit(fn).lower(*args).compile()
+    except Exception as error:  # VMEM refusals, and tiles the kernels reject
+        text = f"{type(error).__name__}: {error}".strip()
+        return next((line.strip() for line in text.splitlines() if line.strip()), text)[:200]
+    return None
+
+
+def _compiling(generation: str, kernel: str, shape: Shape, tiles: KernelTiles) -> tuple[KernelTiles | None, str]:
+    """The candidate as it compiles (a backward one with two buffers if possible), or None and why not."""
+    if kernel == "forward":
+        error = compile_error(generation, kernel, shape, tiles)
+        return (tiles, "") if error is None else (None, error)
+    error = ""
+    for w_buffers in (2, 1):
+        candidate = dataclasses.replace(tiles, w_buffers=w_buffers)
+        error = compile_error(generation, kernel, shape, candidate)
+        if error is None:
+            return candidate, ""
+    return None, error
+
+
+def estimated_us(record: schedule.KernelSchedule) -> float:
+    """The kernel's time on the walked core: its static cycles at the clock, or its HBM bytes at the
+    core's bandwidth when those take longer (the static cycles do not see HBM)."""
+    return max(record.kernel_us or math.inf, record.hbm_floor_us or 0.0)
+
+
+@dataclasses.dataclass
+class KernelChoice:
+    """The tiles kept for one kernel, and every candidate's schedule."""
+
+    kernel: str
+    tiles: KernelTiles
+    schedule: schedule.KernelSchedule
+    measured: list[tuple[KernelTiles, schedule.KernelSchedule]]
+    refused: list[tuple[KernelTiles, str]]
+    incumbent: KernelTiles | None
+
+
+class TuneError(RuntimeError):
+    """No candidate of a kernel compiled, or none could be measured."""
+
+
+def same_tiles(a: KernelTiles, b: KernelTiles) -> bool:
+    return (a.b, a.h, a.v) == (b.b, b.h, b.v)
+
+
+def fitted(shape: Shape, tiles: KernelTiles, kernel: str) -> KernelTiles:
+    """``tiles`` clamped to the problem as the kernels will use them (the forward's whole-hidden ``h``
+    stays ``None``; the backward's chunk divides the padded hidden size)."""
+    fit = fit_tiles(shape, tiles, backward=kernel == "backward")
+    h = None if kernel == "forward" and fit.h == shape.hp else fit.h
+    return KernelTiles(fit.b, h, fit.v, tiles.w_buffers)
+
+
+def incumbent_tiles(generation: str, bucket: str, kernel: str, shape: Shape) -> KernelTiles | None:
+    """Today's entry of this kernel, fitted to the shape (None: the table has none)."""
+    entry = tuned_table().get((generation, bucket))
+    if entry is None:
+        return None
+    return fitted(shape, entry.forward if kernel == "forward" else entry.backward, kernel)
+
+
+def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: int = 3,
+                shape: tuple[int, int, int] | None = None, quiet: bool = False,
+                log: Callable[[str], None] = print) -> KernelChoice:
+    """Compile and measure up to ``max_candidates`` tiles for one kernel of one bucket; keep the fastest.
+
+    ``shape`` ``(N, H, V)`` replaces the bucket's example shape (for tests: a small shape compiles
+    and profiles in seconds). Today's entry is always the first candidate.
+
+    Raises:
+      TuneError: no candidate compiled, or none could be measured.
+    """
+    problem = example_problem(*(shape or BUCKET_EXAMPLES[bucket]))
+    ranked = (forward_candidates if kernel == "forward" else backward_candidates)(problem, generation)
+    ranked = list(dict.fromkeys(fitted(problem, tiles, kernel) for tiles in ranked))
+    incumbent = incumbent_tiles(generation, bucket, kernel, problem)
+    if incumbent is not None:
+        ranked = [incumbent, *(t for t in ranked if not same_tiles(t, incumbent))]
+    chosen: list[KernelTiles] = []
+    refused: list[tuple[KernelTiles, str]] = []
+    for tiles in ranked:
+        if len(chosen) == max_candidates:
+            break
+        compiled, why = _compiling(generation, kernel, problem, tiles)
+        if compiled is None:
+            refused.append((tiles, why))
+            log(f"  {kernel} {_label(tiles)}: does not compile, skipped ({why})")
+        else:
+            chosen.append(compiled)
+    if not chosen:
+        raise TuneError(f"no {kernel} candidate compiles for {generation}/{bucket}")
+    jobs = [schedule.Job(kernel, problem.n, problem.hp, problem.v, tiles=(t.b, t.h, t.v), w_buffers=t.w_buffers)
+            for t in chosen]
+    records = schedule.measure(generation, jobs, quiet=quiet)
+    measured = list(zip(chosen, records, strict=True))
+    for tiles, record in measured:
+        status = record.error or (f"ratio {record.ratio:.3f}, HBM {record.hbm_us_per_step:.2f} vs MXU "
+                                  f"{record.mxu_us_per_step:.2f} us/step, {estimated_us(record) / 1e3:.2f} ms")
+        log(f"  {kernel} {_label(tiles)}: {status}")
+    usable = [(tiles, record) for tiles, record in measured if record.error is None and record.ratio is not None]
+    if not usable:
+        raise TuneError(f"no {kernel} candidate could be measured for {generation}/{bucket}")
+    tiles, record = min(usable, key=lambda item: estimated_us(item[1]))
+    return KernelChoice(kernel, tiles, record, measured, refused, incumbent)
+
+
+def _label(tiles: KernelTiles) -> str:
+    text = f"{tiles.b}/{tiles.h}/{tiles.v}"
+    return text if tiles.w_buffers is None else f"{text} x{tiles.w_buffers}"
+
+
+def _figure(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def entry_from(forward: KernelChoice, backward: KernelChoice) -> TunedEntry:
+    """The table entry of a bucket's two choices, with their measured figures (rounded)."""
+    f, b = forward.schedule, backward.schedule
+    return TunedEntry(
+        forward=forward.tiles,
+        backward=backward.tiles,
+        forward_ratio=_figure(f.ratio, 3),
+        backward_ratio=_figure(b.ratio, 3),
+        forward_hbm_us=_figure(f.hbm_us_per_step, 2),
+        forward_mxu_us=_figure(f.mxu_us_per_step, 2),
+        backward_hbm_us=_figure(b.hbm_us_per_step, 2),
+        backward_mxu_us=_figure(b.mxu_us_per_step, 2),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The generated module.
+
+
+def _order(key: tuple[str, str]) -> tuple[int, int, str, str]:
+    generation, bucket = key
+    buckets = list(BUCKET_EXAMPLES)
+    return (GENERATIONS.index(generation) if generation in GENERATIONS else len(GENERATIONS),
+            buckets.index(bucket) if bucket in buckets else len(buckets), generation, bucket)
+
+
+def _render_tiles(tiles: KernelTiles) -> str:
+    text = f"KernelTiles({tiles.b}, {tiles.h}, {tiles.v}"
+    return text + (")" if tiles.w_buffers is None else f", w_buffers={tiles.w_buffers})")
+
+
+def _render_entry(key: tuple[str, str], entry: TunedEntry) -> list[str]:
+    lines = [f"    {key!r}: TunedEntry("]
+    for field in dataclasses.fields(entry):
+        value = getattr(entry, field.name)
+        if value is None and field.default is None:
+            continue
+        text = _render_tiles(value) if isinstance(value, KernelTiles) else repr(value)
+        lines.append(f"        {field.name}={text},")
+    return [*lines, "    ),"]
+
+
+def render_module(table: Mapping[tuple[str, str], TunedEntry], libtpu: Mapping[str, str]) -> str:
+    """The text of :mod:`ce_pallas_tpu.tuned` for ``table``, deterministically ordered.
+
+    ``libtpu``: the libtpu version each measured generation was last tuned with.
+    """
+    versions = ", ".join(f"{gen} {libtpu[gen]}" for gen in sorted(libtpu, key=lambda g: _order((g, ""))))
+    lines = [
+        "# Generated by `ce-bench tune --target <generation> --write` (ce_pallas_tpu.tune); do not edit by hand.",
+        f"# libtpu: {versions or 'none'}.",
+        '"""The tuned tile table: (generation, shape bucket) -> tiles of both kernels and their static schedule.',
+        "",
+        "Each entry was kept by ``ce-bench tune`` at its bucket's example shape (``tiling.BUCKET_EXAMPLES``)",
+        "in bfloat16: ``*_ratio`` is libtpu's estimated cycles per grid step over the MXU minimum,",
+        "``*_hbm_us``/``*_mxu_us`` the step's HBM and MXU time in microseconds (``tiling.TunedEntry``).",
+        '"""',
+        "",
+        "from ce_pallas_tpu.tiling import KernelTiles, TunedEntry",
+        "",
+        "#: The libtpu version each generation's entries were measured with.",
+        f"LIBTPU: dict[str, str] = {dict(sorted(libtpu.items(), key=lambda item: _order((item[0], ''))))!r}",
+        "",
+        "TUNED: dict[tuple[str, str], TunedEntry] = {",
+    ]
+    previous = None
+    for key in sorted(table, key=_order):
+        if key[0] != previous:
+            if key[0] == "v4":
+                lines += [f"    # {line}" for line in V4_COMMENT]
+            else:
+                lines.append(f"    # {key[0]}")
+            previous = key[0]
+        lines += _render_entry(key, table[key])
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def read_module(text: str) -> tuple[dict[tuple[str, str], TunedEntry], dict[str, str]]:
+    """``(TUNED, LIBTPU)`` of a rendered module's text (what importing it gives)."""
+    namespace: dict[str, object] = {}
+    exec(compile(text, str(TUNED_MODULE), "exec"), namespace)
+    table = namespace["TUNED"]
+    libtpu = namespace["LIBTPU"]
+    assert isinstance(table, dict) and isinstance(libtpu, dict)
+    return table, libtpu
+
+
+def write_table(generation: str, entries: Mapping[str, TunedEntry], *, libtpu_version: str,
+                path: Path = TUNED_MODULE) -> Path:
+    """Re-render the module at ``path`` with ``generation``'s entries for these buckets replaced.
+
+    The module is read back from disk first, so the other generations' and buckets' entries (and
+    those written earlier in the same run) are kept as they are.
+    """
+    table, libtpu = read_module(path.read_text(encoding="utf-8"))
+    table.update({(generation, bucket): entry for bucket, entry in entries.items()})
+    libtpu[generation] = libtpu_version
+    path.write_text(render_module(table, libtpu), encoding="utf-8")
+    return path
