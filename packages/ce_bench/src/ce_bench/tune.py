@@ -72,7 +72,7 @@ def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNE
         raise TuneUnavailableError("tuning needs libtpu: pip install 'ce-pallas-tpu[tpu]' (Linux x86-64)")
     try:
         from ce_pallas_tpu import tune
-        from ce_pallas_tpu.tiling import BUCKET_EXAMPLES
+        from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, tuned_table
     except ImportError as error:
         raise TuneUnavailableError(f"tuning needs ce-pallas-tpu[tpu] ({error})") from error
     if write and (shape is not None or set(kernels) != set(KERNELS)):
@@ -83,12 +83,16 @@ def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNE
     for bucket in buckets:
         n, h, v = shape or BUCKET_EXAMPLES[bucket]
         _log(f"{target} {bucket} ({n}x{h}x{v}):")
-        try:
-            choices = {kernel: tune.tune_kernel(target, bucket, kernel, max_candidates=candidates, shape=shape,
-                                                quiet=quiet, log=_log)
-                       for kernel in kernels}
-        except tune.TuneError as error:  # nothing compiled or could be measured: the entry stays
-            _log(f"  {bucket}: {error}; its entry is left as it was")
+        choices: dict[str, Any] = {}
+        failures: dict[str, str] = {}
+        for kernel in kernels:
+            try:
+                choices[kernel] = tune.tune_kernel(target, bucket, kernel, max_candidates=candidates, shape=shape,
+                                                   quiet=quiet, log=_log)
+            except tune.TuneError as error:  # nothing compiled or could be measured: its tiles stay
+                _log(f"  {bucket}: {error}; its {kernel} tiles are left as they were")
+                failures[kernel] = str(error)
+        if not choices:
             failed.append(bucket)
             continue
         for choice in choices.values():
@@ -99,10 +103,17 @@ def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNE
                            estimated_us=tune.estimated_us(record) if record.error is None else None)
                 rows.append(row)
         if write:
-            entry = tune.entry_from(choices["forward"], choices["backward"])
+            previous = tuned_table().get((target, bucket))
+            entry = tune.entry_from(choices, previous, {kernel: _reason(text) for kernel, text in failures.items()})
             path = tune.write_table(target, {bucket: entry}, libtpu_version=libtpu_version())
             _log(f"  {bucket}: written to {path}")
     return TuneReport(rows, failed, path)
+
+
+def _reason(error: str) -> str:
+    """Why a kernel could not be tuned, for the table's note: the candidates' first error, else the whole text."""
+    start, end = error.find(" ("), error.rfind(")")
+    return error[start + 2:end] if 0 < start < end else error
 
 
 def _tiles(row: dict[str, Any]) -> str:

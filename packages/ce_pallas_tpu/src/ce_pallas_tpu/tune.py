@@ -229,7 +229,8 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
         log(f"  {kernel} {_label(tiles)}: {status}")
     usable = [(tiles, record) for tiles, record in measured if record.error is None and record.ratio is not None]
     if not usable:
-        raise TuneError(f"no {kernel} candidate could be measured for {generation}/{bucket}")
+        first = next((record.error for _, record in measured if record.error), "no ratio")
+        raise TuneError(f"no {kernel} candidate could be measured for {generation}/{bucket} ({first})")
     tiles, record = min(usable, key=lambda item: estimated_us(item[1]))
     return KernelChoice(kernel, tiles, record, measured, refused, incumbent)
 
@@ -243,19 +244,32 @@ def _figure(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def entry_from(forward: KernelChoice, backward: KernelChoice) -> TunedEntry:
-    """The table entry of a bucket's two choices, with their measured figures (rounded)."""
-    f, b = forward.schedule, backward.schedule
-    return TunedEntry(
-        forward=forward.tiles,
-        backward=backward.tiles,
-        forward_ratio=_figure(f.ratio, 3),
-        backward_ratio=_figure(b.ratio, 3),
-        forward_hbm_us=_figure(f.hbm_us_per_step, 2),
-        forward_mxu_us=_figure(f.mxu_us_per_step, 2),
-        backward_hbm_us=_figure(b.hbm_us_per_step, 2),
-        backward_mxu_us=_figure(b.mxu_us_per_step, 2),
-    )
+def entry_from(choices: Mapping[str, KernelChoice], previous: TunedEntry | None = None,
+               failures: Mapping[str, str] | None = None) -> TunedEntry:
+    """The table entry of a bucket's kernel choices, with their measured figures (rounded).
+
+    A kernel missing from ``choices`` (it could not be measured) keeps its tiles from ``previous``
+    without figures, and the entry's note says why (``failures[kernel]``).
+
+    Raises:
+      ValueError: a kernel is missing and there is no previous entry to keep its tiles from.
+    """
+    fields: dict[str, object] = {}
+    notes = []
+    for kernel in ("forward", "backward"):
+        choice = choices.get(kernel)
+        if choice is None:
+            if previous is None:
+                raise ValueError(f"no {kernel} choice and no previous entry to keep its tiles from")
+            fields[kernel] = getattr(previous, kernel)
+            notes.append(f"{kernel} not measured: {(failures or {}).get(kernel, 'not tuned')}")
+            continue
+        record = choice.schedule
+        fields[kernel] = choice.tiles
+        fields[f"{kernel}_ratio"] = _figure(record.ratio, 3)
+        fields[f"{kernel}_hbm_us"] = _figure(record.hbm_us_per_step, 2)
+        fields[f"{kernel}_mxu_us"] = _figure(record.mxu_us_per_step, 2)
+    return TunedEntry(**fields, note="; ".join(notes) or None)  # pyright: ignore[reportArgumentType]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,11 +349,18 @@ def write_table(generation: str, entries: Mapping[str, TunedEntry], *, libtpu_ve
                 path: Path = TUNED_MODULE) -> Path:
     """Re-render the module at ``path`` with ``generation``'s entries for these buckets replaced.
 
-    The module is read back from disk first, so the other generations' and buckets' entries (and
-    those written earlier in the same run) are kept as they are.
+    The module is read back from disk first, under an exclusive lock (two generations may be tuned
+    side by side), so the other generations' and buckets' entries (and those written earlier in the
+    same run) are kept as they are.
     """
-    table, libtpu = read_module(path.read_text(encoding="utf-8"))
-    table.update({(generation, bucket): entry for bucket, entry in entries.items()})
-    libtpu[generation] = libtpu_version
-    path.write_text(render_module(table, libtpu), encoding="utf-8")
+    import fcntl
+
+    with path.open("r+", encoding="utf-8") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        table, libtpu = read_module(file.read())
+        table.update({(generation, bucket): entry for bucket, entry in entries.items()})
+        libtpu[generation] = libtpu_version
+        file.seek(0)
+        file.write(render_module(table, libtpu))
+        file.truncate()
     return path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,10 @@ from ce_pallas_tpu.schedule.dumps import libtpu_flags
 from ce_pallas_tpu.schedule.records import KERNELS, Job, KernelSchedule
 
 __all__ = ["KERNELS", "PROFILED_GENERATIONS", "SCHEDULE_CHIPS", "Job", "KernelSchedule", "measure", "mxu_cycles"]
+
+
+#: The prefix of an absl FATAL log line (``F1122 05:48:18.599031   21555 llo_dumper.cc:1778] ``).
+_FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ \S+\] ")
 
 
 class ScheduleError(RuntimeError):
@@ -69,8 +74,8 @@ def _run_worker(generation: str, jobs: Sequence[Job], quiet: bool) -> tuple[list
             for line in child.stderr:  # progress lines start with "[i/n]"; keep the rest for errors
                 if line.startswith("[") and not quiet:
                     print(line, end="", file=sys.stderr, flush=True)
-                if "Check failed" in line and reason is None:
-                    reason = line.strip()
+                if reason is None and ("Check failed" in line or _FATAL.match(line)):
+                    reason = _FATAL.sub("", line.strip())
                 tail = [*tail, line.rstrip()][-8:]
         written = json.loads(out_path.read_text()) if out_path.exists() else []
         done = [KernelSchedule.from_json(item) for item in written]
