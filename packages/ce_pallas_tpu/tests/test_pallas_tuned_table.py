@@ -28,12 +28,16 @@ def test_render_then_import_gives_the_same_table():
                                           forward_mxu_us=9.36, backward_hbm_us=6.67, backward_mxu_us=14.04)
     table[("v5e", "small")] = TunedEntry(KernelTiles(8, 128, 128), KernelTiles(8, 128, 128, w_buffers=1),
                                          note="a note, with 'quotes'")
+    table[("tpu7x", "wide")] = TunedEntry(KernelTiles(512, None, 512), KernelTiles(128, 512, 1024),
+                                          note=tune.shorten("a long libtpu error, \"quoted\", " * 20))
     libtpu = {"tpu7x": "1.2.3", "v5e": "0.0.52"}
     text = tune.render_module(table, libtpu)
     read_table, read_libtpu = tune.read_module(text)
     assert read_table == table and read_libtpu == libtpu
     assert list(read_table) == sorted(table, key=tune._order)  # v4, v5e, v5p, v6e, tpu7x; buckets in order
     assert tune.render_module(read_table, read_libtpu) == text
+    assert max(len(line) for line in text.splitlines()) <= tune.LINE_LIMIT
+    assert len(table[("tpu7x", "wide")].note or "") == tune.NOTE_LIMIT
 
 
 def test_write_replaces_one_generations_buckets_and_keeps_the_rest(tmp_path: Path):

@@ -56,6 +56,10 @@ V4_COMMENT = (
     "v4 by the test suite.",
 )
 
+#: Longest line of the rendered module (the workspace's lint limit), and longest note kept.
+LINE_LIMIT = 120
+NOTE_LIMIT = 200
+
 #: The generated module :func:`write_table` renders.
 TUNED_MODULE = Path(__file__).parent / "tuned.py"
 
@@ -244,6 +248,11 @@ def _figure(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def shorten(text: str, limit: int = NOTE_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters (ending in ``...`` when cut), for a note in the table."""
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
 def entry_from(choices: Mapping[str, KernelChoice], previous: TunedEntry | None = None,
                failures: Mapping[str, str] | None = None) -> TunedEntry:
     """The table entry of a bucket's kernel choices, with their measured figures (rounded).
@@ -262,7 +271,7 @@ def entry_from(choices: Mapping[str, KernelChoice], previous: TunedEntry | None 
             if previous is None:
                 raise ValueError(f"no {kernel} choice and no previous entry to keep its tiles from")
             fields[kernel] = getattr(previous, kernel)
-            notes.append(f"{kernel} not measured: {(failures or {}).get(kernel, 'not tuned')}")
+            notes.append(shorten(f"{kernel} not measured: {(failures or {}).get(kernel, 'not tuned')}"))
             continue
         record = choice.schedule
         fields[kernel] = choice.tiles
@@ -293,6 +302,12 @@ def _render_entry(key: tuple[str, str], entry: TunedEntry) -> list[str]:
     for field in dataclasses.fields(entry):
         value = getattr(entry, field.name)
         if value is None and field.default is None:
+            continue
+        if isinstance(value, str) and len(f"        {field.name}={value!r},") > LINE_LIMIT:
+            # A long note: implicit concatenation of pieces that fit the line limit.
+            width = LINE_LIMIT - 24  # room for the indent, the quotes and a few escapes
+            pieces = [value[i:i + width] for i in range(0, len(value), width)]
+            lines += [f"        {field.name}=(", *(f"            {piece!r}" for piece in pieces), "        ),"]
             continue
         text = _render_tiles(value) if isinstance(value, KernelTiles) else repr(value)
         lines.append(f"        {field.name}={text},")
