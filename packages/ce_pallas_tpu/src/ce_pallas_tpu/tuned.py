@@ -128,14 +128,14 @@ TUNED: dict[tuple[str, str], TunedEntry] = {
         backward_mxu_us=21.05,
     ),
     ('v5p', 'large_vocab'): TunedEntry(
-        forward=KernelTiles(512, None, 512),
-        backward=KernelTiles(256, 512, 512, w_buffers=2),
-        forward_ratio=1.029,
-        backward_ratio=1.048,
-        forward_hbm_us=3.06,
+        forward=KernelTiles(1024, None, 256),
+        backward=KernelTiles(512, 512, 512, w_buffers=2),
+        forward_ratio=1.03,
+        backward_ratio=1.036,
+        forward_hbm_us=1.54,
         forward_mxu_us=9.36,
-        backward_hbm_us=8.13,
-        backward_mxu_us=14.04,
+        backward_hbm_us=16.27,
+        backward_mxu_us=28.07,
     ),
     ('v5p', 'llama3'): TunedEntry(
         forward=KernelTiles(1024, None, 256),
@@ -234,10 +234,10 @@ TUNED: dict[tuple[str, str], TunedEntry] = {
     ),
     ('tpu7x', 'large_vocab'): TunedEntry(
         forward=KernelTiles(512, None, 1024),
-        backward=KernelTiles(128, 512, 1024, w_buffers=2),
-        backward_ratio=1.303,
-        backward_hbm_us=1.55,
-        backward_mxu_us=3.72,
+        backward=KernelTiles(256, 512, 1024, w_buffers=1),
+        backward_ratio=1.154,
+        backward_hbm_us=3.11,
+        backward_mxu_us=5.58,
         note=(
             'forward not measured: libtpu aborted (signal 6): Static LLO profiling of ce_pallas_tpu_forward.1'
             ' failed: INTERNAL: No DMA issue node found for sync flag: 4100'
