@@ -406,13 +406,10 @@ def main_sharding(argv: Sequence[str]) -> int:
         sharded_memory.time_calls(records, repeats=args.time)
     print(sharded_memory.format_table(records))
     if args.json:
-        import json
+        from ce_bench.records import write_json
 
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
-        print(f"\nJSON: {path}")
-    if records and all(record["status"] != "ok" for record in records):
+        print(f"\nJSON: {write_json(records, args.json)}")
+    if records and all(record.status not in ("ok", "compiled") for record in records):
         return _report_all_failed("ce-bench sharding")
     return 0
 

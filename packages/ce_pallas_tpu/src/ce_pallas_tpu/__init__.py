@@ -9,7 +9,7 @@ ahead-of-time compilation. See the package README.
 
 from ce_pallas_tpu.backend import PallasTpuBackend, make_backend
 from ce_pallas_tpu.block_sizes import TUNED, FittedTiles, KernelTiles, Tiles, shape_bucket
-from ce_pallas_tpu.ops import describe_plan, make_plan, row_stats
+from ce_pallas_tpu.ops import make_plan, row_stats
 from ce_pallas_tpu.target import Target, current_target
 
 __version__ = "0.2.0"
@@ -22,7 +22,6 @@ __all__ = [
     "Target",
     "Tiles",
     "current_target",
-    "describe_plan",
     "make_backend",
     "make_plan",
     "row_stats",
