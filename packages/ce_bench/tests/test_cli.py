@@ -325,3 +325,22 @@ def test_report_of_an_unreadable_file_is_a_usage_error(tmp_path: Path, capsys: p
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and f"cannot read records from {path}" in err and fragment in err, err
+
+
+def test_ce_bench_prints_no_libtpu_complaints_on_a_machine_without_tpu() -> None:
+    """libtpu (installed to compile for TPU topologies) is loaded by JAX's platform discovery; off a
+    TPU VM it would print "Failed to find host bounds" and an E0000 line in every run."""
+    import os
+    import subprocess
+    import sys
+
+    from ce_core.tpu_host import host_has_tpu
+
+    assert not host_has_tpu()  # this suite runs on machines without a TPU
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_PLATFORMS"))}
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    script = "import sys; from ce_bench.cli import main; sys.exit(main(['list']))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                            check=True)
+    assert "reference" in result.stdout
+    assert "host bounds" not in result.stderr and "E0000" not in result.stderr, result.stderr

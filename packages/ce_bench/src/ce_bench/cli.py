@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ce_bench import objectives, presets
 from ce_bench.memory import GIB
+from ce_core.tpu_host import quiet_libtpu_without_tpu
 
 if TYPE_CHECKING:
     from ce_bench.records import Record
@@ -458,6 +459,7 @@ def main_list(argv: Sequence[str] = ()) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ce-bench`` console script."""
+    quiet_libtpu_without_tpu()  # before JAX's platform discovery loads libtpu
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         return main_run(argv)

@@ -12,9 +12,7 @@ another process on the machine may hold libtpu's lockfile (safe here: no TPU is 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,6 +21,7 @@ import numpy as np
 
 import ce_core
 from ce_core.testing import CompileResult, compile_program
+from ce_core.tpu_host import quiet_libtpu_without_tpu
 from ce_pallas_tpu.target import targeting
 
 #: Generation -> (topology name of one chip, extra topology options). v4 and v5p are taken in
@@ -37,36 +36,6 @@ TOPOLOGIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 _devices: dict[str, Any] = {}
-
-#: Google's PCI vendor id, which every TPU chip reports (as JAX's own hardware probe reads it).
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-
-
-def host_has_tpu() -> bool:
-    """Whether a TPU chip is attached to this machine (a PCI device of Google's vendor id)."""
-    for vendor in Path("/sys/bus/pci/devices").glob("*/vendor"):
-        try:
-            if vendor.read_text().strip() == _GOOGLE_PCI_VENDOR:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def quiet_libtpu_without_tpu() -> None:
-    """Spare a machine with no TPU libtpu's start-up complaints about its (absent) TPU host.
-
-    Off a Cloud TPU VM nothing describes the local TPU host, and libtpu, loaded only to compile for
-    a deviceless topology, prints "Failed to find host bounds ..." and an ``E0000 ...
-    TPU_WORKER_HOSTNAMES`` error that look like failures. A one-host description silences them and
-    does not change what is compiled. Variables already set are kept, and a machine with a TPU is
-    left alone, so real start-up errors there still show. Call before libtpu first loads.
-    """
-    if host_has_tpu():
-        return
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
-
 
 def topology_devices(name: str, **options: Any) -> list[Any]:
     """The devices of a deviceless TPU topology such as ``"v5p:2x2x1"`` (compile only, no TPU needed)."""
