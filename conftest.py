@@ -13,9 +13,14 @@ import os
 
 import pytest
 
+from ce_core.tpu_host import quiet_libtpu_without_tpu
+
 # Deviceless TPU compiles load libtpu, which refuses to start while another process holds its
 # lockfile; no TPU is driven here, so several loads are safe.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Without a TPU, libtpu (installed to compile for TPU topologies) would print start-up complaints
+# about the absent TPU host in every test process.
+quiet_libtpu_without_tpu()
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICE_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -30,5 +35,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if skipped and session.exitstatus == 0:
         names = ", ".join(report.nodeid for report in skipped[:10])
         reporter.ensure_newline()
-        reporter.write_line(f"CE_FAIL_ON_SKIP=1: {len(skipped)} test(s) skipped, which fails this run: {names}", red=True)
+        reporter.write_line(f"CE_FAIL_ON_SKIP=1: {len(skipped)} test(s) skipped, which fails this run: {names}",
+                            red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

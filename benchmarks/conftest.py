@@ -41,9 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if not {"backend", "shape"} <= set(metafunc.fixturenames):
         return
-    import jax  # noqa: PLC0415
+    import jax
 
-    from ce_bench import contenders, presets  # noqa: PLC0415
+    from ce_bench import contenders, presets
 
     config = metafunc.config
     shapes = presets.parse_shapes(config.getoption("--ce-shapes"), reduced_for_cpu=jax.default_backend() == "cpu")

@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
 from ce_core import linear_log_probs
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-import ce_core
 import pytest
+
+import ce_core
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

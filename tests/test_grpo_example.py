@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ce_core.testing import max_rel_error
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"

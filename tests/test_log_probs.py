@@ -23,7 +23,8 @@ def check_log_probs(backend, x, labels, w, *, dtype="float32", return_entropy=Tr
     """logp (and entropy) and the gradients of a random combination of them, against the oracle."""
     rng = np.random.default_rng(0)
     g_logp = rng.standard_normal(labels.shape).astype(np.float32)
-    g_ent = rng.standard_normal(labels.shape).astype(np.float32) if return_entropy else np.zeros(labels.shape, np.float32)
+    g_ent = (rng.standard_normal(labels.shape).astype(np.float32) if return_entropy
+             else np.zeros(labels.shape, np.float32))
     fn = fn or functools.partial(linear_log_probs, implementation=backend)
 
     def objective(x_, w_):

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ce_core import linear_cross_entropy
 from ce_core.testing import Case, compare_with_oracle, random_problem
-
 
 FEATURE_CASES = [
     Case(reduction, weights, zloss, cap, smoothing)
@@ -92,7 +92,7 @@ def test_traced_out_of_vocab_label_gives_nan_for_that_token(backend_name):
 
     losses = np.asarray(per_token(labels))
     assert np.isnan(losses[[2, 4]]).all() and np.isfinite(losses[[0, 1, 3, 5]]).all()
-    mean = jax.jit(lambda l: linear_cross_entropy(x, l, w, implementation=backend_name))(labels)
+    mean = jax.jit(lambda labels_: linear_cross_entropy(x, labels_, w, implementation=backend_name))(labels)
     assert np.isnan(float(mean))
 
 

@@ -24,7 +24,7 @@ def test_readme_examples_run_in_order_on_8_devices():
     for block in python_blocks():
         for big, small in SMALLER.items():
             block = block.replace(big, small)
-        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
+        exec(compile(block, str(README), "exec"), namespace)
     # The last example's loss: the mean over tokens of uniform-looking logits (x and w are ones, so
     # every logit is equal and the loss is log V).
     assert np.isclose(float(namespace["loss"]), np.log(512), rtol=1e-2), namespace["loss"]

@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from ce_core import FallbackWarning, UnsupportedError, linear_cross_entropy
 from ce_core.placement import spec_entries
 from ce_core.testing import max_rel_error, oracle, random_problem
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 #: The backend_name tests run on 8 simulated devices; interpreted pallas_tpu is covered by the
 #: 4-device tests below instead (see tests/conftest.py).
@@ -173,8 +174,9 @@ def test_vmap_and_checkpoint_inside_a_sharded_step(backend_name, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
     """Explicit axes run the race-checked TPU interpreter per shard; Auto axes the plain one (see ce_pallas_tpu)."""
-    from ce_pallas_tpu import ops
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    from ce_pallas_tpu import ops
 
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
     monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1" if mode == "explicit" else "plain")
@@ -320,5 +322,6 @@ def test_automatic_sharding_for_a_topology_without_devices_is_refused_before_com
     w = jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
-        with pytest.raises(UnsupportedError, match=r"compiling ahead of time for devices that are not here.*explicit axes"):
+        message = r"compiling ahead of time for devices that are not here.*explicit axes"
+        with pytest.raises(UnsupportedError, match=message):
             jax.jit(lambda a, b, c: linear_cross_entropy(a, b, c, implementation="xla")).lower(x, labels, w)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from ce_core import linear_cross_entropy, sharded_linear_cross_entropy
 from ce_core.testing import Case, compare_with_oracle, max_rel_error, oracle, random_problem
-
 
 MESH_SHAPES = [(8, 1), (2, 4), (1, 8)]
 SHARDED_CASES = [
@@ -92,7 +92,8 @@ def test_inside_a_users_shard_map_with_vocab_axis_name():
     mesh = make_mesh(1, 8)
     x, labels, w = random_problem(5, (12,), 16, 80)
 
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(None, "vocab")),
+    @functools.partial(jax.shard_map, mesh=mesh,
+                       in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(None, "vocab")),
                        out_specs=PartitionSpec())
     def loss_fn(x_, y_, w_):
         return linear_cross_entropy(x_, y_, w_, label_smoothing=0.1, vocab_axis_name="vocab")
@@ -200,8 +201,9 @@ def test_wrapper_reshards_inputs_laid_out_otherwise_under_explicit_axes(backend_
         xs = jax.device_put(x, x_spec)
         ws = jax.device_put(w, w_spec)
         loss, (dx, dw) = jax.jit(jax.value_and_grad(
-            lambda a, b: sharded_linear_cross_entropy(a, labels, b, mesh=mesh, vocab_axis="vocab", implementation=backend_name,
-                                                      **options), argnums=(0, 1)))(xs, ws)
+            lambda a, b: sharded_linear_cross_entropy(a, labels, b, mesh=mesh, vocab_axis="vocab",
+                                                      implementation=backend_name, **options),
+            argnums=(0, 1)))(xs, ws)
     expected = oracle(x, labels, w, **options)
     assert max_rel_error(loss, expected["loss"]) < 1e-5
     assert max_rel_error(dx, expected["dx"]) < 1e-4 and max_rel_error(dw, expected["dw"]) < 1e-4

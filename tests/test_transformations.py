@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ce_core import linear_cross_entropy
 from ce_core.testing import max_rel_error, random_problem
 
@@ -56,7 +57,8 @@ def test_vmap_matches_a_python_loop(backend):
     per_example = jax.vmap(jax.value_and_grad(
         lambda x, y: linear_cross_entropy(x, y, w, implementation=backend)))(xs, labels)
     for k in range(3):
-        value, grad = jax.value_and_grad(lambda x: linear_cross_entropy(x, labels[k], w, implementation=backend))(xs[k])
+        value, grad = jax.value_and_grad(
+            lambda x, y: linear_cross_entropy(x, y, w, implementation=backend))(xs[k], labels[k])
         assert max_rel_error(per_example[0][k], value) < 1e-6 and max_rel_error(per_example[1][k], grad) < 1e-6
 
 

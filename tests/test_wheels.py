@@ -113,7 +113,8 @@ def test_wheels_install_alone_and_plug_in(dist, tmp_path):
     installed, available, location = json.loads(run_in(venv, probe))
     assert str(venv) in location, "ce_core must come from the fresh environment, not the workspace"
     assert installed == ["xla"] and available == ["xla"]
-    loss = run_in(venv, "import numpy as np, ce_core; x = np.ones((4, 8), np.float32); w = np.zeros((8, 10), np.float32);"
+    loss = run_in(venv, "import numpy as np, ce_core; x = np.ones((4, 8), np.float32); "
+                        "w = np.zeros((8, 10), np.float32); "
                         "print(float(ce_core.linear_cross_entropy(x, np.arange(4), w)))")
     assert abs(float(loss) - np.log(10)) < 1e-5
 

@@ -81,34 +81,16 @@ def test_tables_put_long_reasons_in_notes() -> None:
     assert "v5e" in compiled and "3.0 MiB" in compiled
 
 
-def test_block_sizes_are_formatted_from_block_sizes_plans_and_nested_tiles() -> None:
-    import dataclasses
-
+def test_block_sizes_are_formatted_from_block_sizes_and_tile_reports() -> None:
     import ce_core
     from ce_bench.contenders import format_block_sizes
 
-    @dataclasses.dataclass(frozen=True)
-    class KernelTiles:
-        b: int
-        h: int | None
-        v: int
-
-    @dataclasses.dataclass(frozen=True)
-    class Tiles:
-        forward: KernelTiles
-        backward: KernelTiles
-        source: str
-
-    @dataclasses.dataclass(frozen=True)
-    class ChunkPlan:
-        n: int
-        h: int
-        v: int
-        token_chunk: int
-        vocab_chunk: int
-
+    report = ce_core.TileReport(
+        passes=(ce_core.PassTiles("forward", ce_core.BlockSizes(512, None, 1024), (2, 16, 63, 1)),
+                ce_core.PassTiles("backward", ce_core.BlockSizes(256, 512, 2048))),
+        source="table:v5p/llama3", details={"precision": "default"})
     assert format_block_sizes(ce_core.BlockSizes(512, None, 1024)) == "b=512 h=- v=1024"
-    assert format_block_sizes(Tiles(KernelTiles(512, None, 1024), KernelTiles(256, 512, 2048), "table:v5p")) == (
-        "forward(b=512 h=- v=1024) backward(b=256 h=512 v=2048) source=table:v5p")
-    assert format_block_sizes(ChunkPlan(8, 4, 16, 2, 16)) == "token_chunk=2 vocab_chunk=16"
+    assert format_block_sizes(report) == (
+        "forward b=512 h=- v=1024 grid=2x16x63x1; backward b=256 h=512 v=2048; source=table:v5p/llama3; "
+        "precision=default")
     assert format_block_sizes(None) is None

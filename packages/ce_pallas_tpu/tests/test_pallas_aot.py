@@ -12,7 +12,7 @@ import importlib.util
 import jax.numpy as jnp
 import pytest
 
-import ce_pallas_tpu
+import ce_core
 from ce_pallas_tpu import aot, tiling
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
@@ -25,6 +25,15 @@ def hbm_bound(n: int, h: int, v: int) -> int:
     return 4 * h * v + 8 * n * h
 
 
+def tile_report(n: int, h: int, v: int) -> ce_core.TileReport:
+    """What the backend reports for a bf16 problem on the current target."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    problem = ce_core.Problem(n, h, v, bf16, bf16, ce_core.StatsSpec())
+    report = ce_core.get_backend("pallas_tpu").block_sizes_for(problem)
+    assert report is not None
+    return report
+
+
 def test_libtpu_is_installed():
     assert importlib.util.find_spec("libtpu") is not None, "libtpu is missing: run `uv sync` (dev group)"
 
@@ -33,13 +42,15 @@ def test_libtpu_is_installed():
 @pytest.mark.parametrize("n,h,v", REAL_SHAPES, ids=["llama3-8k", "qwen-32k"])
 def test_real_shapes_compile_with_default_tiles_within_the_hbm_bound(generation, n, h, v):
     with aot.compiling_for(generation):
-        plan = ce_pallas_tpu.describe_plan(n, h, v, jnp.bfloat16, jnp.bfloat16)
-    assert plan["source"].startswith(f"table:{generation}/")
+        plan = tile_report(n, h, v)
+    assert plan.source.startswith(f"table:{generation}/")
     result = aot.compile_loss_and_grads(generation, n, h, v)
     assert result.ok and result.temp_bytes is not None
     assert result.temp_bytes <= hbm_bound(n, h, v), (result.temp_bytes, hbm_bound(n, h, v))
     # The dx partials are the only large temporaries: cores * 4NH, plus [N]-sized vectors.
-    assert result.temp_bytes <= plan["backward_grid"][0] * 4 * n * h + 64 * n * 128 * 4
+    backward_grid = plan["backward"].grid
+    assert backward_grid is not None
+    assert result.temp_bytes <= backward_grid[0] * 4 * n * h + 64 * n * 128 * 4
 
 
 # The llama3 and huge_batch entries are compiled at the real shapes above.
@@ -48,8 +59,7 @@ def test_real_shapes_compile_with_default_tiles_within_the_hbm_bound(generation,
 def test_every_tuned_entry_compiles_on_its_generation(generation, bucket):
     n, h, v = tiling.BUCKET_EXAMPLES[bucket]
     with aot.compiling_for(generation):
-        plan = ce_pallas_tpu.describe_plan(n, h, v, jnp.bfloat16, jnp.bfloat16)
-        assert plan["source"] == f"table:{generation}/{bucket}"
+        assert tile_report(n, h, v).source == f"table:{generation}/{bucket}"
     result = aot.compile_loss_and_grads(generation, n, h, v)
     assert result.ok and result.temp_bytes is not None and result.temp_bytes <= hbm_bound(n, h, v)
 
@@ -81,7 +91,7 @@ def test_loading_a_topology_prints_no_libtpu_complaints_on_a_machine_without_tpu
     import subprocess
     import sys
 
-    from ce_pallas_tpu.aot import host_has_tpu
+    from ce_core.tpu_host import host_has_tpu
 
     assert not host_has_tpu()  # this suite runs on machines without a TPU
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
+import ce_core
 import ce_pallas_tpu
 from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
 from ce_pallas_tpu import cost_model, tiling, tune
@@ -145,13 +146,19 @@ def test_invalid_explicit_block_sizes_say_why(blocks, message):
 
 
 def test_target_is_read_at_call_time(monkeypatch):
+    bf16 = jnp.dtype(jnp.bfloat16)
+    problem = ce_core.Problem(8192, 4096, 128256, bf16, bf16, ce_core.StatsSpec())
+    backend = ce_core.get_backend("pallas_tpu")
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v4")
-    v4 = ce_pallas_tpu.describe_plan(8192, 4096, 128256, jnp.bfloat16, jnp.bfloat16)
+    v4 = backend.block_sizes_for(problem)
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v6e")
-    v6e = ce_pallas_tpu.describe_plan(8192, 4096, 128256, jnp.bfloat16, jnp.bfloat16)
-    assert v4["source"] == "table:v4/llama3" and v6e["source"] == "table:v6e/llama3"
-    assert v4["forward_grid"][0] == 2 and v6e["forward_grid"][0] == 1  # two cores on v4
-    assert v4["forward"] != v6e["forward"]
+    v6e = backend.block_sizes_for(problem)
+    assert v4 is not None and v6e is not None
+    assert v4.source == "table:v4/llama3" and v6e.source == "table:v6e/llama3"
+    v4_grid, v6e_grid = v4["forward"].grid, v6e["forward"].grid
+    assert v4_grid is not None and v6e_grid is not None
+    assert v4_grid[0] == 2 and v6e_grid[0] == 1  # two cores on v4
+    assert v4["forward"].block_sizes != v6e["forward"].block_sizes
 
 
 def test_target_spellings_and_unknown_target(monkeypatch):

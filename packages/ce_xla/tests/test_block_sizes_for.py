@@ -23,16 +23,21 @@ def xla_backend() -> XlaBackend:
 def test_block_sizes_for_reports_the_chunk_plan():
     backend = xla_backend()
     spec = ce_core.StatsSpec(block_sizes=ce_core.BlockSizes(b_block_size=64, v_block_size=256))
-    plan = backend.block_sizes_for(ce_core.Problem(1000, 32, 3001, F32, F32, spec))
+    report = backend.block_sizes_for(ce_core.Problem(1000, 32, 3001, F32, F32, spec))
+    plan = backend.plan(1000, 32, 3001, spec)
     assert (plan.token_chunk, plan.vocab_chunk) == (64, 256)
-    assert plan == backend.plan(1000, 32, 3001, spec)
+    assert report["statistics"].block_sizes == ce_core.BlockSizes(64, None, 256)
+    assert report["statistics"].grid == (16, 12)  # ceil(1000 / 64), ceil(3001 / 256)
+    assert report["gradients"].block_sizes == ce_core.BlockSizes(plan.grad_token_chunk, None, plan.grad_chunk)
+    assert report.details["gradient_order"] == plan.gradient_order
+    assert report.source.startswith("explicit")
 
 
 @pytest.mark.parametrize("dtype,order", [(jnp.float32, "tokens_outer"), (jnp.bfloat16, "vocab_outer")])
 def test_block_sizes_for_reports_the_gradient_order_of_the_dtypes(dtype, order):
     backend = xla_backend()
     problem = ce_core.Problem(8192, 4096, 128256, jnp.dtype(dtype), jnp.dtype(dtype), ce_core.StatsSpec())
-    assert backend.block_sizes_for(problem).gradient_order == order
+    assert backend.block_sizes_for(problem).details["gradient_order"] == order
 
 
 def test_block_sizes_for_plans_for_the_tpu_being_compiled_for():
@@ -45,5 +50,6 @@ def test_block_sizes_for_plans_for_the_tpu_being_compiled_for():
     on_cpu = backend.block_sizes_for(problem)
     with jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array([device]), ("aot",)).abstract_mesh):
         on_tpu = backend.block_sizes_for(problem)
-    assert (on_cpu.token_chunk, on_cpu.grad_chunk) == (128, 512)
-    assert (on_tpu.token_chunk, on_tpu.grad_chunk) == (1024, 2048)
+    assert on_cpu.source == "rule for cpu" and on_tpu.source == "rule for tpu"
+    assert (on_cpu["statistics"].block_sizes.b_block_size, on_cpu["gradients"].block_sizes.v_block_size) == (128, 512)
+    assert (on_tpu["statistics"].block_sizes.b_block_size, on_tpu["gradients"].block_sizes.v_block_size) == (1024, 2048)

@@ -27,11 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ce_bench import memory
 from ce_bench.contenders import Contender, default_names, tokamax_installed, tokamax_unsupported_reason
 from ce_bench.presets import Shape
 from ce_bench.records import Record, classify, short_reason
 from ce_bench.runner import Progress, compile_programs, input_structs
+from ce_core.testing import CompileResult
 
 #: ``--target`` choices: the generations ``ce_pallas_tpu.aot`` has a one-chip topology for.
 TOPOLOGIES: dict[str, str] = {
@@ -153,9 +153,5 @@ def _compile_one(contender: Contender, shape: Shape, dtype: Any, structs: Sequen
         record.status, record.reason = classify(error), short_reason(error)
         record.compile_s = time.perf_counter() - start
         return record
-    stats = memory.memory_stats(compiled_fwd_bwd)
-    record.compile_s = seconds
-    record.temp_bytes, record.argument_bytes, record.output_bytes = (
-        stats.temp_bytes, stats.argument_bytes, stats.output_bytes)
-    record.fwd_temp_bytes = memory.memory_stats(compiled_fwd).temp_bytes
+    record.take_memory(CompileResult.of(compiled_fwd_bwd, seconds), CompileResult.of(compiled_fwd))
     return record

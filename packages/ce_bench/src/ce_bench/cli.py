@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ce_bench import objectives, presets
 from ce_bench.memory import GIB
+from ce_core.tpu_host import quiet_libtpu_without_tpu
 
 if TYPE_CHECKING:
     from ce_bench.records import Record
@@ -489,13 +490,10 @@ def main_sharding(argv: Sequence[str]) -> int:
         sharded_memory.time_calls(records, repeats=args.time)
     print(sharded_memory.format_table(records))
     if args.json:
-        import json
+        from ce_bench.records import write_json
 
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
-        print(f"\nJSON: {path}")
-    if records and all(record["status"] != "ok" for record in records):
+        print(f"\nJSON: {write_json(records, args.json)}")
+    if records and all(record.status not in ("ok", "compiled") for record in records):
         return _report_all_failed("ce-bench sharding")
     return 0
 
@@ -544,6 +542,7 @@ def main_list(argv: Sequence[str] = ()) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ce-bench`` console script."""
+    quiet_libtpu_without_tpu()  # before JAX's platform discovery loads libtpu
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         return main_run(argv)

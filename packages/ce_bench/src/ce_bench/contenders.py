@@ -142,31 +142,20 @@ def tokamax_unsupported_reason(contender: Contender, device: Any) -> str | None:
 
 
 def format_block_sizes(value: Any) -> str | None:
-    """``'b=512 h=- v=2048'`` for a ``ce_core.BlockSizes`` or anything with those fields."""
-    if value is None:
-        return None
-    if isinstance(value, str):
+    """One line for a backend's :class:`ce_core.TileReport`, a ``ce_core.BlockSizes``, or a tokamax
+    config (which has the same three ``*_block_size`` fields)."""
+    if value is None or isinstance(value, str):
         return value
+    if isinstance(value, ce_core.TileReport):
+        return value.describe()
     fields = ("b_block_size", "h_block_size", "v_block_size")
-    if all(hasattr(value, field) for field in fields):
-        parts = [f"{field[0]}={getattr(value, field) if getattr(value, field) is not None else '-'}"
-                 for field in fields]
-        buffers = getattr(value, "buffer_count", None)
-        if buffers is not None:
-            parts.append(f"buf={buffers}")
-        return " ".join(parts)
-    if dataclasses.is_dataclass(value):  # a chunk plan or per-kernel tiles: show sizes, not the problem's
-        names = [field.name for field in dataclasses.fields(value)]
-        problem_dims = {"n", "h", "v"} if {"n", "h", "v"} <= set(names) else set()
-        parts = []
-        for name in names:
-            item = getattr(value, name)
-            if dataclasses.is_dataclass(item):
-                parts.append(f"{name}({format_block_sizes(item)})")
-            elif (item is None or isinstance(item, (int, str))) and name not in problem_dims:
-                parts.append(f"{name}={'-' if item is None else item}")
-        return " ".join(parts) or str(value)
-    return str(value)
+    if not all(hasattr(value, field) for field in fields):
+        return str(value)
+    parts = [f"{field[0]}={'-' if getattr(value, field) is None else getattr(value, field)}" for field in fields]
+    buffers = getattr(value, "buffer_count", None)
+    if buffers is not None:
+        parts.append(f"buf={buffers}")
+    return " ".join(parts)
 
 
 def _tokamax_block_sizes(implementation: str, n: int, h: int, v: int, dtype: Any) -> str | None:

@@ -1,56 +1,18 @@
-"""Memory accounting: what a compiled program needs (``compiled.memory_analysis()``) and what this
-machine has, so that a run that would not fit is refused with a number instead of crashing.
+"""Memory accounting: what this machine has, and the sizes a run will need, so that a run that would
+not fit is refused with a number instead of crashing.
 
-XLA reports, per compiled program, the bytes of its arguments, its outputs and its *temporaries*
-(every buffer that is neither, e.g. materialised logits, scan carries, workspace). The bench's
-"temp" column is ``temp_size_in_bytes`` of the forward+backward program: the memory a backend needs
-beyond its inputs and gradients, which is what a fused loss is supposed to keep small.
+What a compiled program needs comes from :class:`ce_core.testing.CompileResult`
+(``compiled.memory_analysis()``). The bench's "temp" column is the *temporaries* of the
+forward+backward program: the memory a backend needs beyond its inputs and gradients, which is what
+a fused loss is supposed to keep small.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
 GIB = 1024**3
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryStats:
-    """Sizes in bytes from ``compiled.memory_analysis()`` (``None`` when the backend reports none)."""
-
-    temp_bytes: int | None
-    argument_bytes: int | None
-    output_bytes: int | None
-    alias_bytes: int | None = None
-
-    @property
-    def total_bytes(self) -> int | None:
-        """Arguments + outputs + temporaries - aliased (donated) bytes: the program's footprint."""
-        parts = (self.temp_bytes, self.argument_bytes, self.output_bytes)
-        if any(part is None for part in parts):
-            return None
-        return sum(parts) - (self.alias_bytes or 0)  # type: ignore[arg-type]
-
-
-def memory_stats(compiled: Any) -> MemoryStats:
-    """The :class:`MemoryStats` of a ``jax.stages.Compiled`` (all ``None`` if unavailable)."""
-    try:
-        analysis = compiled.memory_analysis()
-    except Exception:  # some PJRT plugins do not implement it
-        analysis = None
-    if analysis is None:
-        return MemoryStats(None, None, None)
-    if isinstance(analysis, (list, tuple)):  # one entry per device on some versions
-        analysis = analysis[0]
-
-    def get(name: str) -> int | None:
-        value = getattr(analysis, name, None)
-        return None if value is None else int(value)
-
-    return MemoryStats(get("temp_size_in_bytes"), get("argument_size_in_bytes"),
-                       get("output_size_in_bytes"), get("alias_size_in_bytes"))
 
 
 def available_bytes() -> int | None:

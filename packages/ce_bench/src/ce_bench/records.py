@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ce_core.testing import CompileResult
+
 #: Row statuses. ``ok``: timed; ``compiled``: compile-only / AOT success; ``unsupported``: the
 #: implementation declined the call (UnsupportedError / NotImplementedError); ``failed``: it raised;
 #: ``refused``: not run because it would not fit in memory.
@@ -52,6 +54,16 @@ class Record:
     device: str | None = None
     target: str | None = None
     hbm_bytes: int | None = None
+    mesh: str | None = None  # ``ce-bench sharding``: the DATAxVOCAB mesh (sizes are then per device)
+    call: str | None = None  # ``ce-bench sharding``: how the loss was called (sharded_memory.CALLS)
+
+    def take_memory(self, fwd_bwd: CompileResult, fwd: CompileResult | None = None) -> None:
+        """Compile time and sizes of the forward+backward program (and the forward's temporaries)."""
+        self.compile_s = fwd_bwd.seconds
+        self.temp_bytes, self.argument_bytes, self.output_bytes = (
+            fwd_bwd.temp_bytes, fwd_bwd.argument_bytes, fwd_bwd.output_bytes)
+        if fwd is not None:
+            self.fwd_temp_bytes = fwd.temp_bytes
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict (NaN and infinities become None)."""

@@ -31,6 +31,7 @@ from ce_bench.floor import FLOOR_NAME, floor_bytes, floor_programs
 from ce_bench.presets import Shape
 from ce_bench.records import Record, classify, short_reason
 from ce_bench.timing import block, interleaved
+from ce_core.testing import CompileResult
 
 #: Share of the available memory a run may plan to use by default.
 DEFAULT_BUDGET_FRACTION = 0.8
@@ -218,12 +219,8 @@ def _plan(shape: Shape, dtype: Any, config: RunConfig, budget: int | None, devic
         except Exception as error:  # the row says why; the run goes on
             record.status, record.reason = classify(error), short_reason(error)
             continue
-        stats = memory.memory_stats(compiled_fwd_bwd)
-        record.compile_s = seconds
-        record.temp_bytes = stats.temp_bytes
-        record.argument_bytes = stats.argument_bytes
-        record.output_bytes = stats.output_bytes
-        record.fwd_temp_bytes = memory.memory_stats(compiled_fwd).temp_bytes
+        stats = CompileResult.of(compiled_fwd_bwd, seconds)
+        record.take_memory(stats, CompileResult.of(compiled_fwd))
         if config.compile_only:
             record.status = "compiled"
             continue
@@ -248,13 +245,13 @@ def _plan(shape: Shape, dtype: Any, config: RunConfig, budget: int | None, devic
         else:
             try:
                 floor.fwd, floor.fwd_bwd, record.compile_s = compile_programs(*floor_programs(), structs)
-                record.temp_bytes = memory.memory_stats(floor.fwd_bwd).temp_bytes
+                record.temp_bytes = CompileResult.of(floor.fwd_bwd).temp_bytes
             except Exception as error:
                 record.status, record.reason = classify(error), short_reason(error)
     return _ShapePlan(shape, dtype, planned, floor)
 
 
-def refusal_reason(stats: memory.MemoryStats, host: int, on_cpu: bool, budget: int | None,
+def refusal_reason(stats: CompileResult, host: int, on_cpu: bool, budget: int | None,
                    device_limit: int | None) -> str | None:
     """Why a compiled program with these ``stats`` must not run here (None when it fits).
 
@@ -358,7 +355,7 @@ class Prepared:
 
     fwd: Any
     fwd_bwd: Any
-    stats: memory.MemoryStats
+    stats: CompileResult
     args: tuple[jax.Array, jax.Array, jax.Array]
     block_sizes: str | None
 
@@ -375,7 +372,7 @@ def prepare(name: str, shape: Shape, dtype: Any, *, reduction: str = "mean", see
     device = jax.devices()[0]
     contender = Contender(name)
     fwd, fwd_bwd, _ = compile_programs(*contender.programs(reduction), input_structs(shape, dtype))
-    stats = memory.memory_stats(fwd_bwd)
+    stats = CompileResult.of(fwd_bwd)
     on_cpu = device.platform == "cpu"
     reason = refusal_reason(stats, memory.host_input_bytes(shape.n, shape.h, shape.v), on_cpu,
                             budget_bytes(budget), None if on_cpu else memory.device_memory_bytes(device))

@@ -23,6 +23,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ce_bench.records import Record, classify, short_reason
+from ce_core.testing import compile_program
+
 DEVICE_COUNT = 8
 DEFAULT_MESHES = ((1, 1), (8, 1), (2, 4), (1, 8))
 CALLS = ("wrapper", "explicit", "auto")
@@ -94,41 +97,45 @@ def _program(backend: str, call: str, data: int, vocab: int, topology: str | Non
 def sharded_temp_bytes(
     backend: str, n: int, h: int, v: int, dtype: str, data: int, vocab: int, call: str = "wrapper",
     topology: str | None = None,
-) -> dict[str, Any]:
-    """Compile fwd+bwd on a ``data x vocab`` mesh; per-device temp and argument bytes, or the error."""
+) -> Record:
+    """Compile fwd+bwd on a ``data x vocab`` mesh: a ``compiled`` record with per-device sizes, or
+    ``unsupported``/``failed`` with the reason."""
     import jax
     import jax.numpy as jnp
 
-    record: dict[str, Any] = dict(backend=backend, call=call, n=n, h=h, v=v, dtype=dtype, mesh=f"{data}x{vocab}",
-                                  devices=topology or "cpu")
-    try:
+    record = Record(backend=backend, shape=f"{n}x{h}x{v}", n=n, h=h, v=v, dtype=dtype, reduction="mean",
+                    status="compiled", device=topology or "cpu", mesh=f"{data}x{vocab}", call=call)
+
+    def compile_fn() -> Any:
         step, context, shardings = _program(backend, call, data, vocab, topology)
         args = (jax.ShapeDtypeStruct((n, h), jnp.dtype(dtype), sharding=shardings["x"]),
                 jax.ShapeDtypeStruct((n,), jnp.int32, sharding=shardings["labels"]),
                 jax.ShapeDtypeStruct((h, v), jnp.dtype(dtype), sharding=shardings["w"]))
         with context():
-            compiled = step.lower(*args).compile()
-    except Exception as error:
-        record.update(status=f"error: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            return step.lower(*args).compile()
+
+    try:
+        _, result = compile_program(compile_fn)
+    except Exception as error:  # the row says why; the sweep goes on
+        record.status, record.reason = classify(error), short_reason(error)
         return record
-    analysis = compiled.memory_analysis()
-    record.update(status="ok", temp_bytes=int(analysis.temp_size_in_bytes),
-                  argument_bytes=int(analysis.argument_size_in_bytes))
+    record.take_memory(result)
     return record
 
 
-def time_calls(records: list[dict[str, Any]], *, repeats: int, seed: int = 0) -> None:
-    """Run every compiled record's program on random inputs, interleaved per mesh; adds ``median_ms``."""
+def time_calls(records: list[Record], *, repeats: int, seed: int = 0) -> None:
+    """Run every compiled record's program on random inputs, interleaved per mesh: ``fwd_bwd_ms`` is the
+    median time of one ``value_and_grad`` call, and the status becomes ``ok`` (or ``failed``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from ce_bench.timing import interleaved
 
-    by_mesh: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    by_mesh: dict[tuple[Any, ...], list[Record]] = {}
     for record in records:
-        if record["status"] == "ok":
-            key = (record["mesh"], record["n"], record["h"], record["v"], record["dtype"])
+        if record.status == "compiled" and record.mesh is not None:
+            key = (record.mesh, record.n, record.h, record.v, record.dtype)
             by_mesh.setdefault(key, []).append(record)
     for (mesh, n, h, v, dtype), group in by_mesh.items():
         rng = np.random.default_rng(seed)
@@ -138,7 +145,7 @@ def time_calls(records: list[dict[str, Any]], *, repeats: int, seed: int = 0) ->
         data, vocab = (int(part) for part in mesh.split("x"))
         contenders = {}
         for record in group:
-            step, context, shardings = _program(record["backend"], record["call"], data, vocab)
+            step, context, shardings = _program(record.backend, record.call or "wrapper", data, vocab)
             with context():
                 args = (jax.device_put(jnp.asarray(x, dtype), shardings["x"]),
                         jax.device_put(labels, shardings["labels"]),
@@ -148,40 +155,40 @@ def time_calls(records: list[dict[str, Any]], *, repeats: int, seed: int = 0) ->
                 with context():
                     return step(*args)
 
-            contenders[f"{record['backend']}/{record['call']}"] = run
+            contenders[f"{record.backend}/{record.call}"] = run
         timings = interleaved(contenders, repeats=repeats)
         for record in group:
-            timing = timings[f"{record['backend']}/{record['call']}"]
-            record["median_ms"] = timing.median_ms
+            timing = timings[f"{record.backend}/{record.call}"]
+            record.fwd_bwd_ms, record.repeats = timing.median_ms, repeats
+            record.status = "failed" if timing.error else "ok"
             if timing.error:
-                record["status"] = f"error when run: {timing.error}"
+                record.reason = f"error when run: {timing.error}"
 
 
 def sweep(backends: Sequence[str], n: int, h: int, v: int, dtype: str,
           meshes: Sequence[tuple[int, int]] = DEFAULT_MESHES,
-          calls: Sequence[str] = ("wrapper",), topology: str | None = None) -> list[dict[str, Any]]:
+          calls: Sequence[str] = ("wrapper",), topology: str | None = None) -> list[Record]:
     """:func:`sharded_temp_bytes` for every backend, call and mesh."""
     return [sharded_temp_bytes(b, n, h, v, dtype, d, m, c, topology)
             for d, m in meshes for b in backends for c in calls]
 
 
-def format_table(records: Sequence[dict[str, Any]]) -> str:
+def format_table(records: Sequence[Record]) -> str:
     """A Markdown table of a :func:`sweep`, with each mesh's saving against the same call on 1x1."""
-    unsharded = {(r["backend"], r.get("call", "wrapper")): r.get("temp_bytes") for r in records if r["mesh"] == "1x1"}
-    timed = any("median_ms" in r for r in records)
+    unsharded = {(r.backend, r.call): r.temp_bytes for r in records if r.mesh == "1x1"}
+    timed = any(r.fwd_bwd_ms is not None for r in records)
     lines = ["| backend | call | N x H x V, dtype | mesh (data x vocab) | per-device temp | vs 1 device "
              "| per-device args |" + (" fwd+bwd time |" if timed else ""),
              "|---|---|---|---|---|---|---|" + ("---|" if timed else "")]
     for r in records:
-        call = r.get("call", "wrapper")
-        shape = f"{r['n']} x {r['h']} x {r['v']}, {r['dtype']}"
-        if r["status"] != "ok":
-            lines.append(f"| {r['backend']} | {call} | {shape} | {r['mesh']} | {r['status']} | | |"
+        shape = f"{r.n} x {r.h} x {r.v}, {r.dtype}"
+        if r.temp_bytes is None or r.argument_bytes is None:
+            lines.append(f"| {r.backend} | {r.call} | {shape} | {r.mesh} | {r.status}: {r.reason} | | |"
                          + (" |" if timed else ""))
             continue
-        base = unsharded.get((r["backend"], call))
-        ratio = f"{r['temp_bytes'] / base:.3f}x" if base else "n/a"
-        time = f" {r['median_ms']:,.0f} ms |" if r.get("median_ms") is not None else (" |" if timed else "")
-        lines.append(f"| {r['backend']} | {call} | {shape} | {r['mesh']} | {r['temp_bytes'] / 2**20:,.1f} MiB "
-                     f"| {ratio} | {r['argument_bytes'] / 2**20:,.1f} MiB |" + time)
+        base = unsharded.get((r.backend, r.call))
+        ratio = f"{r.temp_bytes / base:.3f}x" if base else "n/a"
+        time = f" {r.fwd_bwd_ms:,.0f} ms |" if r.fwd_bwd_ms is not None else (" |" if timed else "")
+        lines.append(f"| {r.backend} | {r.call} | {shape} | {r.mesh} | {r.temp_bytes / 2**20:,.1f} MiB "
+                     f"| {ratio} | {r.argument_bytes / 2**20:,.1f} MiB |" + time)
     return "\n".join(lines)

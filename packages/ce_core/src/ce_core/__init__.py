@@ -26,6 +26,7 @@ from ce_core.registry import (
     unregister_backend,
 )
 from ce_core.sharding import sharded_linear_cross_entropy
+from ce_core.tile_report import PassTiles, TileReport
 
 __version__ = "0.2.0"
 
@@ -36,9 +37,11 @@ __all__ = [
     "BlockSizes",
     "CotangentFn",
     "FallbackWarning",
+    "PassTiles",
     "Problem",
     "RowStats",
     "StatsSpec",
+    "TileReport",
     "UnsupportedError",
     "available_backends",
     "default_chain",

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ce_core.block_sizes import BlockSizes
+from ce_core.tile_report import TileReport
 from ce_core.varying import vary_like
 
 #: Bumped whenever the contract below changes. A backend declares the version it was written
@@ -123,8 +124,9 @@ class Backend(abc.ABC):
         """Raise :class:`~ce_core.UnsupportedError` (with the reason) if this call cannot run."""
         del problem  # the base class accepts every problem
 
-    def block_sizes_for(self, problem: Problem) -> object | None:
-        """The tile or chunk sizes this backend would use for ``problem``, for reports; ``None`` if it has none."""
+    def block_sizes_for(self, problem: Problem) -> TileReport | None:
+        """The tiles this backend would use for ``problem``, for reports; ``None`` if it has none."""
+        del problem  # the base class has no tiles
         return None
 
     @abc.abstractmethod

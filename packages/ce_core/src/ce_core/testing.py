@@ -6,6 +6,8 @@ can be checked against them. :func:`random_problem` draws inputs whose logits ar
 :func:`max_rel_error` compares, and :func:`compare_with_oracle` runs a backend through the public
 loss with every option of a :class:`Case` and asserts it matches the oracle (value, gradients,
 dtypes) within :data:`TOLERANCES`. A new backend's test suite can be a loop over cases.
+:class:`CompileResult` and :func:`compile_program` time a compile and read the memory it needs,
+which tests can bound exactly (``memory_analysis()`` is deterministic).
 """
 
 from __future__ import annotations
@@ -18,7 +20,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ce_core.compiled import CompileResult, compile_program
 from ce_core.loss import linear_cross_entropy
+
+__all__ = [
+    "TOLERANCES",
+    "Case",
+    "CompileResult",
+    "compare_with_oracle",
+    "compile_program",
+    "log_probs_oracle",
+    "max_rel_error",
+    "oracle",
+    "random_problem",
+]
 
 
 def oracle(

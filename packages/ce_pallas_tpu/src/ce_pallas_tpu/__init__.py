@@ -8,7 +8,7 @@ ahead-of-time compilation. See the package README.
 """
 
 from ce_pallas_tpu.backend import PallasTpuBackend, make_backend
-from ce_pallas_tpu.ops import describe_plan, make_plan, row_stats
+from ce_pallas_tpu.ops import make_plan, row_stats
 from ce_pallas_tpu.target import Target, current_target
 from ce_pallas_tpu.tiling import FittedTiles, KernelTiles, Tiles, TunedEntry, shape_bucket
 from ce_pallas_tpu.tuned import TUNED
@@ -24,7 +24,6 @@ __all__ = [
     "Tiles",
     "TunedEntry",
     "current_target",
-    "describe_plan",
     "make_backend",
     "make_plan",
     "row_stats",

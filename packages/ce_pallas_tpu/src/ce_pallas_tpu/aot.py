@@ -12,11 +12,7 @@ another process on the machine may hold libtpu's lockfile (safe here: no TPU is 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ce_core
+from ce_core.testing import CompileResult, compile_program
+from ce_core.tpu_host import quiet_libtpu_without_tpu
 from ce_pallas_tpu.target import targeting
 
 #: Generation -> (topology name of one chip, extra topology options). v4 and v5p are taken in
@@ -38,36 +36,6 @@ TOPOLOGIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 _devices: dict[str, Any] = {}
-
-#: Google's PCI vendor id, which every TPU chip reports (as JAX's own hardware probe reads it).
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-
-
-def host_has_tpu() -> bool:
-    """Whether a TPU chip is attached to this machine (a PCI device of Google's vendor id)."""
-    for vendor in Path("/sys/bus/pci/devices").glob("*/vendor"):
-        try:
-            if vendor.read_text().strip() == _GOOGLE_PCI_VENDOR:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def quiet_libtpu_without_tpu() -> None:
-    """Spare a machine with no TPU libtpu's start-up complaints about its (absent) TPU host.
-
-    Off a Cloud TPU VM nothing describes the local TPU host, and libtpu, loaded only to compile for
-    a deviceless topology, prints "Failed to find host bounds ..." and an ``E0000 ...
-    TPU_WORKER_HOSTNAMES`` error that look like failures. A one-host description silences them and
-    does not change what is compiled. Variables already set are kept, and a machine with a TPU is
-    left alone, so real start-up errors there still show. Call before libtpu first loads.
-    """
-    if host_has_tpu():
-        return
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
-
 
 def topology_devices(name: str, **options: Any) -> list[Any]:
     """The devices of a deviceless TPU topology such as ``"v5p:2x2x1"`` (compile only, no TPU needed)."""
@@ -94,18 +62,6 @@ def compiling_for(generation: str) -> Iterator[Any]:
         yield device
 
 
-@dataclasses.dataclass(frozen=True)
-class CompileResult:
-    """Outcome of one ahead-of-time compile of the loss and its gradients."""
-
-    ok: bool
-    temp_bytes: int | None  # HBM temporaries (memory_analysis().temp_size_in_bytes)
-    argument_bytes: int | None
-    output_bytes: int | None
-    seconds: float
-    error: str | None = None
-
-
 def compile_loss_and_grads(
     generation: str,
     n: int,
@@ -118,9 +74,12 @@ def compile_loss_and_grads(
     raise_errors: bool = True,
     **options: Any,
 ) -> CompileResult:
-    """Compile ``value_and_grad`` of the mean loss w.r.t. ``x`` and ``w`` for ``generation``."""
-    start = time.perf_counter()
-    try:
+    """Compile ``value_and_grad`` of the mean loss w.r.t. ``x`` and ``w`` for ``generation``.
+
+    With ``raise_errors=False`` a failed compile is a result (``ok=False`` and the error's first line).
+    """
+
+    def compile_fn() -> Any:
         with compiling_for(generation) as device:
             sharding = jax.sharding.SingleDeviceSharding(device)
 
@@ -134,26 +93,9 @@ def compile_loss_and_grads(
                 jax.ShapeDtypeStruct((h, v), dtype, sharding=sharding),
                 jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding),
             )
-            compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
-        memory = compiled.memory_analysis()
-        if memory is None:
-            raise RuntimeError(f"the compiler reports no memory analysis for {generation}")
-        return CompileResult(
-            True,
-            int(memory.temp_size_in_bytes),
-            int(memory.argument_size_in_bytes),
-            int(memory.output_size_in_bytes),
-            time.perf_counter() - start,
-        )
-    except Exception as error:
-        if raise_errors:
-            raise
-        return CompileResult(False, None, None, None, time.perf_counter() - start, _first_line(error))
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
 
-
-def _first_line(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}"
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()[:300]
-    return text[:300]
+    _, result = compile_program(compile_fn, raise_errors=raise_errors)
+    if result.ok and result.temp_bytes is None:
+        raise RuntimeError(f"the compiler reports no memory analysis for {generation}")
+    return result

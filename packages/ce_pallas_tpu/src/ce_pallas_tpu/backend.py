@@ -7,9 +7,8 @@ from types import MappingProxyType
 import jax
 import jax.numpy as jnp
 
-from ce_core import Backend, Problem, RowStats, StatsSpec, UnsupportedError
+from ce_core import Backend, Problem, RowStats, StatsSpec, TileReport, UnsupportedError
 from ce_pallas_tpu import ops, target
-from ce_pallas_tpu.tiling import Tiles
 
 #: Input dtypes the kernels take (the MXU has no float16 path on v4/v5).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -50,9 +49,9 @@ class PallasTpuBackend(Backend):
             ops.make_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype, problem.spec,
                           current)
 
-    def block_sizes_for(self, problem: Problem) -> Tiles:
-        """The forward and backward tiles for ``problem`` on the current target."""
-        return ops.make_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype, problem.spec).tiles
+    def block_sizes_for(self, problem: Problem) -> TileReport:
+        """The forward and backward tiles and grids for ``problem`` on the current target, and their source."""
+        return ops.make_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype, problem.spec).report()
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
         return ops.row_stats(x, w, labels, spec)

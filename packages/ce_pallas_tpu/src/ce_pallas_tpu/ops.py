@@ -15,7 +15,7 @@ from typing import TypedDict
 import jax
 import jax.numpy as jnp
 
-from ce_core import BlockSizes, RowStats, StatsSpec
+from ce_core import BlockSizes, PassTiles, RowStats, StatsSpec, TileReport
 from ce_pallas_tpu import tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
@@ -40,6 +40,18 @@ class Plan:
     @property
     def hp(self) -> int:
         return self.forward.hp
+
+    def report(self) -> TileReport:
+        """The tiles and grids of both kernels, for ``Backend.block_sizes_for``."""
+        f, b = self.forward, self.backward
+        return TileReport(
+            passes=(
+                PassTiles("forward", BlockSizes(f.b, f.h, f.vb), (f.num_cores, f.nb, f.nv_per_core, f.nh)),
+                PassTiles("backward", BlockSizes(b.b, b.h, b.vb), (b.num_cores, b.nv_per_core, b.nb)),
+            ),
+            source=self.tiles.source,
+            details={"backward_w_buffers": str(b.w_buffers), "precision": f.precision},
+        )
 
 
 class _SharedConfig(TypedDict):
@@ -175,17 +187,3 @@ def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
 
 
 _row_stats.defvjp(_row_stats_fwd, _row_stats_bwd)
-
-
-def describe_plan(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec | None = None,
-                  target: Target | None = None) -> dict:
-    """The tiles and grids chosen for a problem (for the bench and the AOT report)."""
-    plan = make_plan(n, h, v, x_dtype, w_dtype, spec or StatsSpec(), target)
-    f, b = plan.forward, plan.backward
-    return {
-        "source": plan.tiles.source,
-        "forward": BlockSizes(f.b, f.h, f.vb),
-        "backward": BlockSizes(b.b, b.h, b.vb),
-        "forward_grid": (f.num_cores, f.nb, f.nv_per_core, f.nh),
-        "backward_grid": (b.num_cores, b.nv_per_core, b.nb),
-    }

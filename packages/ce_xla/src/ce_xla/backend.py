@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ce_core import Backend, CotangentFn, Problem, RowStats, StatsSpec
+from ce_core import Backend, BlockSizes, CotangentFn, PassTiles, Problem, RowStats, StatsSpec, TileReport
 from ce_xla import backward, forward, fused
 from ce_xla.chunking import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks
 from ce_xla.platforms import target_platform
@@ -62,9 +62,22 @@ class XlaBackend(Backend):
                            budget_bytes=self.budget_bytes, grad_budget_bytes=self.grad_budget_bytes,
                            platform=target_platform())
 
-    def block_sizes_for(self, problem: Problem) -> ChunkPlan:
-        """The chunk plan, gradient order included, for ``problem`` on the platform being compiled for."""
-        return self.plan(problem.n, problem.h, problem.v, problem.spec, problem.x_dtype, problem.w_dtype)
+    def block_sizes_for(self, problem: Problem) -> TileReport:
+        """The chunk plan for ``problem`` on the platform being compiled for: its statistics and gradient
+        tiles, and the gradient order (``details["gradient_order"]``)."""
+        plan = self.plan(problem.n, problem.h, problem.v, problem.spec, problem.x_dtype, problem.w_dtype)
+        explicit = problem.spec.block_sizes is not None and any(
+            size is not None for size in (problem.spec.block_sizes.b_block_size, problem.spec.block_sizes.v_block_size))
+        return TileReport(
+            passes=(
+                PassTiles("statistics", BlockSizes(plan.token_chunk, None, plan.vocab_chunk),
+                          (plan.token_chunks, plan.vocab_chunks)),
+                PassTiles("gradients", BlockSizes(plan.grad_token_chunk, None, plan.grad_chunk),
+                          (plan.grad_token_chunks, plan.grad_chunks)),
+            ),
+            source=("explicit, rest by the rule" if explicit else "rule") + f" for {target_platform()}",
+            details={"gradient_order": plan.gradient_order},
+        )
 
     def _plan_for(self, x: jax.Array, w: jax.Array, spec: StatsSpec) -> ChunkPlan:
         return self.plan(x.shape[0], w.shape[0], w.shape[1], spec, x.dtype, w.dtype)
