@@ -10,20 +10,15 @@ Grid ``(cores, token blocks, vocab blocks per core, hidden blocks)``:
   (``ARBITRARY``), hidden innermost.
 
 A logit tile ``[b, v]`` exists only in VMEM (accumulated over hidden blocks in a VMEM scratch when
-the hidden dimension is blocked). An online logsumexp keeps a running max and sum in VMEM scratch
-across vocab blocks, per row and per lane: lane ``l`` of a row covers its columns ``l (mod 128)``,
-so a tile's 128-wide column groups meet the state element by element, with no cross-lane reduction
-and no lane broadcast of a row max per tile; the lanes are reduced once per token block. (For the
-entropy also the sum of ``exp(z - max) z``, rescaled with the sum of exp, whose ratio to it is the
-expected logit.) With the hidden dimension whole (the default), the vocab loop is
+the hidden dimension is blocked). An online logsumexp keeps a running max and sum per row in VMEM
+scratch across vocab blocks (and, for the entropy, the sum of ``exp(z - max) z``, rescaled with the
+sum of exp, whose ratio to it is the expected logit). With the hidden dimension whole (the default), the vocab loop is
 software-pipelined: a step forms the logits of its block in one slot of a two-slot scratch while
 the vector units take the statistics of the previous block from the other slot, so the
 exp/max/sum work overlaps the MXU instead of following it (it costs 0.08-0.13 of a step
-otherwise). The soft cap is applied in the kernel; the label logit is picked by comparing a column
-iota with the label and selecting into a per-lane accumulator (no ``one_hot``, no gather: both fail
-to lower on v4, and a gather of ``w``'s columns outside the kernel costs XLA a transposed copy of
-``w``); vocab columns past ``V`` in a ragged last block hold garbage and are masked to ``-inf`` (to
-0 in the sums).
+otherwise). The soft cap is applied in the kernel; the label logit is picked by
+comparing a column iota with the label (no ``one_hot``, no gather: both fail to lower on v4); vocab
+columns past ``V`` in a ragged last block hold garbage and are masked to ``-inf`` (to 0 in the sum).
 Rows past ``N`` in a ragged last token block produce garbage that Pallas never writes back. When
 ``H`` is not a multiple of 128 the blocks span its round-up ``Hp`` and the garbage past ``H`` is
 zeroed in both operands' VMEM buffers first; nothing is padded in HBM.
@@ -46,72 +41,44 @@ class ForwardConfig(common.KernelConfig):
     """Static shape and tiling of one forward call; ``h`` is the hidden block (``hp``: unblocked)."""
 
 
-#: The running max a lane starts from: finite, so that a lane that never sees a valid column (a
-#: ragged last block narrower than 128) rescales by ``exp(0)`` rather than ``exp(-inf + inf)``;
-#: its weight in the row, ``exp(MIN - row max)``, is 0.
-_NO_MAX = float(jnp.finfo(jnp.float32).min)
-
-
 def _update(z_raw, start, y, state, cfg: ForwardConfig, *, may_be_last: bool = True):
     """The online statistics ``(max, sum of exp, label logit, logit sum, weighted sum)`` after one tile.
 
-    Each is ``[b, 128]``: lane ``l`` holds the statistic of the row's columns ``l (mod 128)`` (the
-    label logit: the label's column, 0 in the other lanes); :func:`_finish` reduces the lanes. The
-    logit sum and the weighted sum ``sum_j exp(z_j - max) z_j`` (the expected logit times the sum
-    of exp) are ``None`` unless asked for. ``start`` is the global id of the tile's first column;
-    columns at or past ``V`` (garbage in a ragged last block) count for nothing, and labels outside
-    ``[0, V)`` never hit. Pass ``may_be_last=False`` for a tile that is known not to be the ragged
-    last one: it is not masked. The tile is ``_padded_width(cfg)`` wide: a block narrower than that
-    (``V`` itself, when it is not a multiple of 128) is the only one, and its columns past ``V`` are
-    masked as those of a ragged last block are.
+    The logit sum and the weighted sum ``sum_j exp(z_j - max) z_j`` (the expected logit times the
+    sum of exp) are ``None`` unless asked for. ``start`` is the global id of the tile's first
+    column; columns at or past ``V`` (garbage in a ragged last block) count for nothing, and labels
+    outside ``[0, V)`` never hit. Pass ``may_be_last=False`` for a tile that is known not to be the
+    ragged last one: it is not masked.
     """
     m, sum_exp, label, total, weighted = state
     z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
-    lanes = common.LANES
-    lane = jax.lax.broadcasted_iota(jnp.int32, (z.shape[0], lanes), 1)
-    target = jnp.broadcast_to(y - start, (z.shape[0], lanes))  # the label's column within the tile
-    ragged = bool(cfg.v % cfg.vb or cfg.vb % lanes) and may_be_last
-    groups = [z[:, g * lanes:(g + 1) * lanes] for g in range(z.shape[1] // lanes)]
-    z_lse, z_owned = [], []
-    for g, zg in enumerate(groups):
-        hit = lane + g * lanes == target
-        if ragged:
-            valid = lane < cfg.v - start - g * lanes
-            zg = jnp.where(valid, zg, 0.0)
-            hit = hit & valid
-            z_lse.append(jnp.where(valid, zg, -jnp.inf))
-        else:
-            z_lse.append(zg)
-        z_owned.append(zg)
-        label = jnp.where(hit, zg, label)  # a label has one column: select, no sum
-    m_new = functools.reduce(jnp.maximum, z_lse, m)
+    local = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    if cfg.v % cfg.vb and may_be_last:
+        valid = local < cfg.v - start
+        z_lse = jnp.where(valid, z, -jnp.inf)
+        z_owned = jnp.where(valid, z, 0.0)
+    else:
+        valid, z_lse, z_owned = None, z, z
+    m_new = jnp.maximum(m, jnp.max(z_lse, axis=1, keepdims=True))
     rescale = jnp.exp(m - m_new)
-    exps = [jnp.exp(zg - m_new) for zg in z_lse]
-    sum_exp = sum_exp * rescale + functools.reduce(jnp.add, exps)
+    exps = jnp.exp(z_lse - m_new)
+    sum_exp = sum_exp * rescale + jnp.sum(exps, axis=1, keepdims=True)
+    hit = local == y - start
+    if valid is not None:
+        hit = hit & valid
+    label = label + jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True)
     if total is not None:
-        total = total + functools.reduce(jnp.add, z_owned)
+        total = total + jnp.sum(z_owned, axis=1, keepdims=True)
     if weighted is not None:
-        weighted = weighted * rescale + functools.reduce(
-            jnp.add, [e * zg for e, zg in zip(exps, z_owned, strict=True)])
+        weighted = weighted * rescale + jnp.sum(exps * z_owned, axis=1, keepdims=True)
     return m_new, sum_exp, label, total, weighted
-
-
-def _finish(state) -> list[jax.Array]:
-    """The rows' ``[b, 1]`` statistics ``lse, label[, sum][, expected]`` from the per-lane state."""
-    m, sum_exp, label, total, weighted = state
-    row_max = jnp.max(m, axis=1, keepdims=True)
-    share = jnp.exp(m - row_max)  # of each lane's sum in the row's
-    row_sum = jnp.sum(sum_exp * share, axis=1, keepdims=True)
-    out = [row_max + jnp.log(row_sum), jnp.sum(label, axis=1, keepdims=True)]
-    if total is not None:
-        out.append(jnp.sum(total, axis=1, keepdims=True))
-    if weighted is not None:
-        out.append(jnp.sum(weighted * share, axis=1, keepdims=True) / row_sum)
-    return out
 
 
 def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     out_refs, scratch = refs[: cfg.n_stats], refs[cfg.n_stats :]
+    lse_ref, label_ref, *optional_out = out_refs
+    sum_ref = optional_out.pop(0) if cfg.with_sum else None
+    expected_ref = optional_out.pop(0) if cfg.with_expected else None
     m_sc, l_sc, label_sc, *optional_sc = scratch[: cfg.n_stats + 1]
     sum_sc = optional_sc.pop(0) if cfg.with_sum else None
     weighted_sc = optional_sc.pop(0) if cfg.with_expected else None
@@ -131,36 +98,32 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
             if ref is not None:
                 ref[...] = value
 
-    def init_state():
-        for ref in stat_refs:
-            if ref is not None:
-                ref[...] = jnp.full(ref.shape, _NO_MAX if ref is m_sc else 0.0, jnp.float32)
+    def initial_state():
+        shape = m_sc.shape
+        zeros = jnp.zeros(shape, jnp.float32)
+        return (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, None if sum_sc is None else zeros,
+                None if weighted_sc is None else zeros)
 
     if cfg.nh == 1:
         # Software-pipelined over vocab blocks: step j forms the logits of block j in one slot of
         # a two-slot VMEM scratch while the vector units take the statistics of block j-1 from
         # the other, so the exp/max/sum tail overlaps the next matmul instead of following it.
-        # The first step of a token block only forms its logits (a branch of its own, so that the
-        # other steps need no select against a fresh state); the last step also takes its own
-        # block (the one tail per token block that is not hidden).
+        # The first step of a token block discards what it took from the stale slot; the last
+        # step also takes its own block (the one tail per token block that is not hidden).
         z_sc = scratch[-1]
         if cfg.hidden != cfg.hp:
             common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
 
-        def step(cur: int, prev: int | None):
-            _store_logits(z_sc.at[cur], common.matmul(x_ref[...], w_ref[...], cfg.precision), cfg)
-            if prev is not None:
-                # Block j-1 is never the ragged last one here: that one is the last of its core, and
-                # is taken by the drain below or, on a core one block short, by the branch after it.
-                write_state(_update(z_sc[prev], (block - 1) * cfg.vb, y_ref[...], read_state(), cfg,
-                                    may_be_last=False))
+        def step(cur: int, prev: int):
+            # Block j-1 is never the ragged last one here: that one is the last of its core, and
+            # is taken by the drain below or, on a core one block short, by the branch after it.
+            z_sc[cur] = common.matmul(x_ref[...], w_ref[...], cfg.precision)
+            taken = _update(z_sc[prev], (block - 1) * cfg.vb, y_ref[...], read_state(), cfg, may_be_last=False)
+            fresh = initial_state()
+            write_state(tuple(None if t is None or f is None else jnp.where(j == 0, f, t)
+                              for t, f in zip(taken, fresh, strict=True)))
 
-        @pl.when((j == 0) & in_range)
-        def _():
-            init_state()
-            step(0, None)
-
-        pl.when((j % 2 == 0) & (j > 0) & in_range)(lambda: step(0, 1))
+        pl.when((j % 2 == 0) & in_range)(lambda: step(0, 1))
         pl.when((j % 2 == 1) & in_range)(lambda: step(1, 0))
         if guarded:  # the last step of a core one block short: only the previous block is left
 
@@ -179,7 +142,7 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
 
         @pl.when((j == 0) & (k == 0))
         def _init():
-            init_state()
+            write_state(initial_state())
 
         def accumulate():
             if cfg.hidden != cfg.hp:
@@ -188,11 +151,11 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
 
             @pl.when(k == 0)
             def _():
-                _store_logits(acc_sc, part, cfg)
+                acc_sc[...] = part
 
             @pl.when(k > 0)
             def _():
-                _store_logits(acc_sc, _logits(acc_sc, cfg) + part, cfg)
+                acc_sc[...] += part
 
             @pl.when(k == cfg.nh - 1)
             def _():
@@ -204,27 +167,13 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
             accumulate()
 
     @pl.when(last_step)
-    def _finish_rows():
-        for ref, value in zip(out_refs, _finish(read_state()), strict=True):
-            ref[...] = value
-
-
-def _padded_width(cfg: ForwardConfig) -> int:
-    """The vocab block rounded up to whole 128-lane groups: the width of the logit scratch."""
-    return pl.cdiv(cfg.vb, common.LANES) * common.LANES
-
-
-def _logits(ref, cfg: ForwardConfig) -> jax.Array:
-    """The ``[b, vb]`` logits held in a scratch ``ref`` of padded width."""
-    return ref[...] if _padded_width(cfg) == cfg.vb else ref[:, : cfg.vb]
-
-
-def _store_logits(ref, value: jax.Array, cfg: ForwardConfig) -> None:
-    """Store ``[b, vb]`` logits into a scratch ``ref`` of padded width (its tail is left as it is)."""
-    if _padded_width(cfg) == cfg.vb:
-        ref[...] = value
-    else:
-        ref[:, : cfg.vb] = value
+    def _finish():
+        lse_ref[...] = m_sc[...] + jnp.log(l_sc[...])
+        label_ref[...] = label_sc[...]
+        if sum_ref is not None and sum_sc is not None:
+            sum_ref[...] = sum_sc[...]
+        if expected_ref is not None and weighted_sc is not None:
+            expected_ref[...] = weighted_sc[...] / l_sc[...]
 
 
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig) -> tuple[jax.Array, ...]:
@@ -250,13 +199,12 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     axes = varying_axes_of(x, w, labels)
     x, w, labels = (vary(value, axes) for value in (x, w, labels))
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), jnp.float32, axes)] * num_out
-    # Running max, running sum of exp, label logit (, logit sum)(, weighted sum) per row and lane
-    # (as much VMEM as a [b, 1] column: that one also takes a whole (8, 128) tile per 8 rows).
-    scratch = [pltpu.VMEM((cfg.b, common.LANES), jnp.float32)] * (cfg.n_stats + 1)
+    # Running max, running sum of exp, label logit (, logit sum)(, weighted sum) per row.
+    scratch = [pltpu.VMEM((cfg.b, 1), jnp.float32)] * (cfg.n_stats + 1)
     if cfg.nh > 1:
-        scratch.append(pltpu.VMEM((cfg.b, _padded_width(cfg)), jnp.float32))  # logits summed over hidden blocks
+        scratch.append(pltpu.VMEM((cfg.b, cfg.vb), jnp.float32))  # logits summed over hidden blocks
     else:
-        scratch.append(pltpu.VMEM((2, cfg.b, _padded_width(cfg)), jnp.float32))  # two slots of logits
+        scratch.append(pltpu.VMEM((2, cfg.b, cfg.vb), jnp.float32))  # two slots of logits
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg),
         grid=(cfg.num_cores, cfg.nb, nvc, cfg.nh),
