@@ -38,7 +38,7 @@ def test_tune_measures_todays_entry_first_and_keeps_a_measured_candidate(tmp_pat
         incumbent = tune.incumbent_tiles("v5e", "llama3", row["kernel"], problem)
         assert incumbent is not None
         b, h, vb = row["tiles"]
-        assert (b, vb) == (incumbent.b, incumbent.v)
+        assert (b, vb) == (incumbent.block_b, incumbent.block_v)
         assert row["incumbent"] and row["chosen"]
         assert row["mxu_cycles_per_step"] == mxu_cycles("v5e", row["kernel"], b, h if row["kernel"] == "forward"
                                                         else H, vb)

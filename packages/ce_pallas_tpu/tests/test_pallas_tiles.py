@@ -50,8 +50,8 @@ def test_each_entry_is_used_at_its_bucket_and_fits_vmem(generation, bucket):
     bound = tiling.vmem_budget(_target(generation))
     if generation in tune.GENERATIONS[1:]:
         bound = max(bound, tiling.vmem_limit(_target(generation)) * tune.VMEM_PREFILTER_SLACK)
-    assert cost_model.forward_bytes(shape, tiles.forward.b, tiles.forward.h, tiles.forward.v) <= bound
-    assert cost_model.backward_bytes(shape, tiles.backward.b, tiles.backward.h, tiles.backward.v) <= bound
+    assert cost_model.forward_bytes(shape, *tiles.forward.sizes) <= bound
+    assert cost_model.backward_bytes(shape, *tiles.backward.sizes) <= bound
 
 
 @pytest.mark.parametrize("generation", [*GENERATIONS, "default"])
@@ -69,10 +69,10 @@ def test_inference_respects_each_generations_vmem(generation, dtype, n, h, v):
         assert cost_model.backward_bytes(shape, 8, 512, 128) > budget
         return
     f, b = tiles.forward, tiles.backward
-    assert cost_model.forward_bytes(shape, f.b, f.h, f.v) <= budget
-    assert cost_model.backward_bytes(shape, b.b, b.h, b.v) <= budget
-    assert shape.hp % f.h == 0 and shape.hp % b.h == 0
-    assert (f.b % 8 == 0 or f.b == n) and (f.v % 128 == 0 or f.v == v)
+    assert cost_model.forward_bytes(shape, f.block_b, f.block_h, f.block_v) <= budget
+    assert cost_model.backward_bytes(shape, b.block_b, b.block_h, b.block_v) <= budget
+    assert shape.hp % f.block_h == 0 and shape.hp % b.block_h == 0
+    assert (f.block_b % 8 == 0 or f.block_b == n) and (f.block_v % 128 == 0 or f.block_v == v)
 
 
 def test_a_table_entry_that_does_not_fit_falls_back_to_inference():
@@ -81,7 +81,7 @@ def test_a_table_entry_that_does_not_fit_falls_back_to_inference():
     tiles = tiling.tuned_tiles(shape, _target("v4"))
     assert tiles.source == "inferred"
     budget = tiling.vmem_budget(_target("v4"))
-    assert cost_model.backward_bytes(shape, tiles.backward.b, tiles.backward.h, tiles.backward.v) <= budget
+    assert cost_model.backward_bytes(shape, *tiles.backward.sizes) <= budget
 
 
 def test_an_entry_above_the_models_budget_is_used_where_it_needs_no_more_than_where_it_compiled(monkeypatch):
@@ -96,7 +96,7 @@ def test_an_entry_above_the_models_budget_is_used_where_it_needs_no_more_than_wh
     shape = _shape(8192, 4096, 128256)
     tiles = tiling.tuned_tiles(shape, target)
     assert tiles.source == "table:v5p/llama3"
-    assert (tiles.backward.b, tiles.backward.v, tiles.backward.w_buffers) == (256, 1024, 1)
+    assert (tiles.backward.block_b, tiles.backward.block_v, tiles.backward.w_buffers) == (256, 1024, 1)
     assert tiling.backward_w_buffers(shape, tiles.backward, target) == 1
     assert tiling.tuned_tiles(_shape(4096, 4096, 100000), target).source == "table:v5p/llama3"
     assert tiling.tuned_tiles(_shape(8192, 4096, 128256, jnp.float32), target).source == "inferred"
@@ -118,16 +118,16 @@ def test_an_entry_with_two_w_buffers_falls_back_to_one_before_inference(monkeypa
 
 def test_small_dimensions_become_whole_dimension_blocks():
     tiles = tiling.tuned_tiles(_shape(37, 48, 203), _target("v5p"))
-    assert tiles.forward.b == 37 and tiles.forward.v == 203 and tiles.forward.h == 128
+    assert tiles.forward.block_b == 37 and tiles.forward.block_v == 203 and tiles.forward.block_h == 128
 
 
 def test_explicit_block_sizes_override_both_kernels():
     tiles = tiling.resolve_tiles(_shape(8192, 4096, 128256), _target("v5p"), BlockSizes(256, 1024, 384))
     assert tiles.source == "explicit"
-    assert (tiles.forward.b, tiles.forward.h, tiles.forward.v) == (256, 1024, 384)
-    assert (tiles.backward.b, tiles.backward.h, tiles.backward.v) == (256, 1024, 384)
+    assert (tiles.forward.block_b, tiles.forward.block_h, tiles.forward.block_v) == (256, 1024, 384)
+    assert (tiles.backward.block_b, tiles.backward.block_h, tiles.backward.block_v) == (256, 1024, 384)
     partial = tiling.resolve_tiles(_shape(8192, 4096, 128256), _target("v5p"), BlockSizes(v_block_size=256))
-    assert partial.forward.v == partial.backward.v == 256
+    assert partial.forward.block_v == partial.backward.block_v == 256
 
 
 @pytest.mark.parametrize(

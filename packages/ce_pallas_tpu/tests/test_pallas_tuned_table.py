@@ -58,7 +58,7 @@ def test_each_entry_has_its_figures_or_says_why_not(key):
     generation, bucket = key
     entry = tuned.TUNED[key]
     for tiles in (entry.forward, entry.backward):
-        assert tiles.b % 8 == 0 and tiles.v % 128 == 0
+        assert tiles.block_b % 8 == 0 and tiles.block_v % 128 == 0
     assert entry.backward.w_buffers in (None, 1, 2) and entry.forward.w_buffers is None
     if generation == "v4":
         assert entry.forward_ratio is None and entry.note == tune.V4_NOTE
@@ -72,8 +72,8 @@ def test_each_entry_has_its_figures_or_says_why_not(key):
             continue
         # The MXU time is the MXU minimum of the entry's tiles at the bucket's example shape.
         tiles = tune.fitted(problem, getattr(entry, kernel), kernel)
-        hidden = problem.hp if kernel == "backward" or tiles.h is None else tiles.h
-        mxu_us = mxu_cycles(generation, kernel, tiles.b, hidden, tiles.v) / chip.clock_hz * 1e6
+        hidden = problem.hp if kernel == "backward" or tiles.block_h is None else tiles.block_h
+        mxu_us = mxu_cycles(generation, kernel, tiles.block_b, hidden, tiles.block_v) / chip.clock_hz * 1e6
         assert getattr(entry, f"{kernel}_mxu_us") == pytest.approx(mxu_us, abs=0.01)
         assert getattr(entry, f"{kernel}_ratio") >= 1.0
 
@@ -99,8 +99,8 @@ def test_candidates_are_compute_bound_by_the_analytic_model_and_fit_the_prefilte
     backward = tune.backward_candidates(problem, generation)
     assert forward and backward
     for tiles in forward:
-        mxu_s = mxu_cycles(generation, "forward", tiles.b, problem.hp, tiles.v) / chip.clock_hz
-        assert problem.hp * tiles.v * 2 / chip.hbm_bytes_per_s <= tune.HBM_SHARE * mxu_s
+        mxu_s = mxu_cycles(generation, "forward", tiles.block_b, problem.hp, tiles.block_v) / chip.clock_hz
+        assert problem.hp * tiles.block_v * 2 / chip.hbm_bytes_per_s <= tune.HBM_SHARE * mxu_s
     for tiles in backward:
-        mxu_s = mxu_cycles(generation, "backward", tiles.b, problem.hp, tiles.v) / chip.clock_hz
-        assert tiles.b * problem.hp * 10 / chip.hbm_bytes_per_s <= tune.HBM_SHARE * mxu_s
+        mxu_s = mxu_cycles(generation, "backward", tiles.block_b, problem.hp, tiles.block_v) / chip.clock_hz
+        assert tiles.block_b * problem.hp * 10 / chip.hbm_bytes_per_s <= tune.HBM_SHARE * mxu_s

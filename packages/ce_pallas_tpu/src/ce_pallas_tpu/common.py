@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-LANES = 128
+from ce_pallas_tpu.layout import LANES
 
 
 @dataclasses.dataclass(frozen=True)

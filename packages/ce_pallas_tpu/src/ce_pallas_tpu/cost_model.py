@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ce_pallas_tpu.layout import LANES, round_up
 from ce_pallas_tpu.target import ChipFacts
 
 #: Seconds of fixed cost per grid step (pipeline bookkeeping, DMA issue), a measured ballpark.
@@ -28,11 +29,8 @@ FIXED_BYTES = 1536 * 1024
 def _tile(rows: int, cols: int, itemsize: int) -> int:
     """Bytes of a ``[rows, cols]`` VMEM buffer laid out in (sublane, lane) tiles."""
     sublanes = 8 * max(1, 4 // itemsize)
-    return _round_up(max(rows, 1), sublanes) * _round_up(max(cols, 1), 128) * itemsize
+    return round_up(max(rows, 1), sublanes) * round_up(max(cols, 1), LANES) * itemsize
 
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)

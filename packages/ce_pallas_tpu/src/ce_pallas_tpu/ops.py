@@ -21,9 +21,8 @@ from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
 from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
+from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
-
-LANES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +69,7 @@ class _SharedConfig(TypedDict):
 
 
 def padded_hidden(h: int) -> int:
-    return -(-h // LANES) * LANES
+    return round_up(h, LANES)
 
 
 def problem_shape(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec) -> Shape:
@@ -109,19 +108,19 @@ def make_plan(
         vmem_limit_bytes=limit,
         precision=resolve_precision(x_dtype, w_dtype, spec.precision),
     )
-    nv_forward = -(-v // tiles.forward.v)
-    nv_backward = -(-v // tiles.backward.v)
+    nv_forward = cdiv(v, tiles.forward.block_v)
+    nv_backward = cdiv(v, tiles.backward.block_v)
     forward = ForwardConfig(
-        b=tiles.forward.b,
-        h=tiles.forward.h,
-        vb=tiles.forward.v,
+        b=tiles.forward.block_b,
+        h=tiles.forward.block_h,
+        vb=tiles.forward.block_v,
         num_cores=active_cores(target.num_cores, nv_forward),
         **common,
     )
     backward = BackwardConfig(
-        b=tiles.backward.b,
-        h=tiles.backward.h,
-        vb=tiles.backward.v,
+        b=tiles.backward.block_b,
+        h=tiles.backward.block_h,
+        vb=tiles.backward.block_v,
         num_cores=active_cores(target.num_cores, nv_backward),
         w_buffers=tiling.backward_w_buffers(shape, tiles.backward, target),
         **common,

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 
 import jax
 
+from ce_pallas_tpu.layout import cdiv
+
 TARGET_ENV = "CE_PALLAS_TPU_TARGET"
 INTERPRET_ENV = "CE_PALLAS_TPU_INTERPRET"
 
@@ -211,7 +213,7 @@ def current_target() -> Target:
 def active_cores(num_cores: int, num_blocks: int) -> int:
     """Cores to split ``num_blocks`` contiguous vocab blocks over so that none is left without any."""
     cores = max(1, min(num_cores, num_blocks))
-    while cores > 1 and (cores - 1) * -(-num_blocks // cores) >= num_blocks:
+    while cores > 1 and (cores - 1) * cdiv(num_blocks, cores) >= num_blocks:
         cores -= 1
     return cores
 

@@ -29,6 +29,7 @@ import itertools
 from ce_core import BlockSizes, UnsupportedError
 from ce_pallas_tpu import cost_model
 from ce_pallas_tpu.cost_model import Shape
+from ce_pallas_tpu.layout import LANES, SUBLANES, round_up
 from ce_pallas_tpu.target import CHIP_FACTS, Target
 
 #: Share of a core's VMEM the chosen tiles may use; the rest is Mosaic's internal scratch and slack.
@@ -36,29 +37,38 @@ VMEM_BUDGET_FRACTION = 0.8
 #: Scoped-VMEM limit handed to Mosaic, as a share of the core's VMEM.
 VMEM_LIMIT_FRACTION = 0.9
 
-SUBLANES = 8
-LANES = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelTiles:
-    """Token block ``b``, hidden block/chunk ``h`` (``None``: whole hidden dim), vocab block ``v``.
+    """Token block ``block_b``, hidden block/chunk ``block_h`` (``None``: whole hidden dim), vocab block
+    ``block_v``.
 
     ``w_buffers``: the backward's VMEM buffers for its ``w`` and ``dw`` blocks (``None``: two where
     the VMEM model says they fit, else one); the forward ignores it.
     """
 
-    b: int
-    h: int | None
-    v: int
+    block_b: int
+    block_h: int | None
+    block_v: int
     w_buffers: int | None = None
+
+    @property
+    def sizes(self) -> tuple[int, int | None, int]:
+        """``(block_b, block_h, block_v)``."""
+        return self.block_b, self.block_h, self.block_v
 
 
 @dataclasses.dataclass(frozen=True)
 class FittedTiles(KernelTiles):
-    """Kernel tiles fitted to one problem: the hidden block/chunk ``h`` is always set (it divides ``Hp``)."""
+    """Kernel tiles fitted to one problem: the hidden block/chunk ``block_h`` is always set (it divides ``Hp``)."""
 
-    h: int
+    block_h: int
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """``(block_b, block_h, block_v)``, all set."""
+        return self.block_b, self.block_h, self.block_v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,17 +166,17 @@ def tuned_table() -> dict[tuple[str, str], TunedEntry]:
 def bucket_example(bucket: str) -> Shape:
     """The problem a bucket's entry was tuned and compiled at: its example shape in bfloat16, plain loss."""
     n, h, v = BUCKET_EXAMPLES[bucket]
-    return Shape(n, -(-h // LANES) * LANES, v, 2, 2, with_sum=False, capped=False)
+    return Shape(n, round_up(h, LANES), v, 2, 2, with_sum=False, capped=False)
 
 
 def fit_tiles(shape: Shape, tiles: KernelTiles, *, backward: bool) -> FittedTiles:
     """Clamp tiles to the problem: a block never exceeds its dimension; ``h`` divides ``Hp``."""
-    b = shape.n if shape.n <= tiles.b else tiles.b
-    v = shape.v if shape.v <= tiles.v else tiles.v
+    b = shape.n if shape.n <= tiles.block_b else tiles.block_b
+    v = shape.v if shape.v <= tiles.block_v else tiles.block_v
     if backward:
-        h = _divisor_at_most(shape.hp, tiles.h or 512)
+        h = _divisor_at_most(shape.hp, tiles.block_h or 512)
     else:
-        h = shape.hp if tiles.h is None else _divisor_at_most(shape.hp, tiles.h)
+        h = shape.hp if tiles.block_h is None else _divisor_at_most(shape.hp, tiles.block_h)
     return FittedTiles(b, h, v, tiles.w_buffers if backward else None)
 
 
@@ -178,10 +188,10 @@ def _entry_fits(shape: Shape, bucket: str, forward: FittedTiles, backward: Fitte
     single_w = backward.w_buffers != 2
 
     def forward_bytes(problem: Shape) -> int:
-        return cost_model.forward_bytes(problem, forward.b, forward.h, forward.v)
+        return cost_model.forward_bytes(problem, forward.block_b, forward.block_h, forward.block_v)
 
     def backward_bytes(problem: Shape) -> int:
-        return cost_model.backward_bytes(problem, backward.b, backward.h, backward.v, single_w=single_w)
+        return cost_model.backward_bytes(problem, *backward.sizes, single_w=single_w)
 
     return forward_bytes(shape) <= max(budget, forward_bytes(example)) and backward_bytes(shape) <= max(
         budget, backward_bytes(example)
@@ -202,22 +212,22 @@ def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
     forward_options = []
     for b, v, h in itertools.product(tokens, columns, hiddens):
         tiles = fit_tiles(shape, KernelTiles(b, h, v), backward=False)
-        need = cost_model.forward_bytes(shape, tiles.b, tiles.h, tiles.v)
+        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
         if need <= budget:
-            seconds = cost_model.forward_seconds(shape, facts, target.num_cores, tiles.b, tiles.h, tiles.v)
+            seconds = cost_model.forward_seconds(shape, facts, target.num_cores, *tiles.sizes)
             forward_options.append((seconds, need, tiles))
 
     backward_options = []
     for b, v in itertools.product(tokens, columns):
         tiles = fit_tiles(shape, KernelTiles(b, 512, v), backward=True)
-        need = cost_model.backward_bytes(shape, tiles.b, tiles.h, tiles.v)
+        need = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
         if need <= budget:
-            seconds = cost_model.backward_seconds(shape, facts, target.num_cores, tiles.b, tiles.v)
+            seconds = cost_model.backward_seconds(shape, facts, target.num_cores, tiles.block_b, tiles.block_v)
             backward_options.append((seconds, need, tiles))
 
     if not forward_options or not backward_options:
         smallest = fit_tiles(shape, KernelTiles(8, 128, 128), backward=True)
-        need = cost_model.backward_bytes(shape, smallest.b, smallest.h, smallest.v)
+        need = cost_model.backward_bytes(shape, smallest.block_b, smallest.block_h, smallest.block_v)
         raise UnsupportedError(
             f"pallas_tpu: hidden size H={shape.hp} needs at least {need / 2**20:.1f} MiB of VMEM even "
             f"with the smallest tiles, more than the {budget / 2**20:.1f} MiB budget on {target.generation}"
@@ -228,7 +238,8 @@ def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
 def _pick(options: list[tuple[float, int, FittedTiles]]) -> FittedTiles:
     """Among options within 3% of the fastest, the one with the smallest VMEM footprint."""
     fastest = min(seconds for seconds, _, _ in options)
-    near = [(need, -tiles.b, -tiles.v, tiles) for seconds, need, tiles in options if seconds <= 1.03 * fastest]
+    near = [(need, -tiles.block_b, -tiles.block_v, tiles)
+            for seconds, need, tiles in options if seconds <= 1.03 * fastest]
     return min(near, key=lambda item: item[:3])[3]
 
 
@@ -252,7 +263,7 @@ def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
     ``w`` and ``dw`` blocks where the VMEM model says they fit the budget, else one."""
     if tiles.w_buffers is not None:
         return tiles.w_buffers
-    double = cost_model.backward_bytes(shape, tiles.b, tiles.h, tiles.v, single_w=False)
+    double = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v, single_w=False)
     return 2 if double <= vmem_budget(target) else 1
 
 
@@ -285,15 +296,17 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None) 
     b, h, v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
     forward = fit_tiles(
         shape,
-        KernelTiles(b or base.forward.b, h if h is not None else base.forward.h, v or base.forward.v),
+        KernelTiles(b or base.forward.block_b, h if h is not None else base.forward.block_h, v or base.forward.block_v),
         backward=False,
     )
     backward = fit_tiles(
-        shape, KernelTiles(b or base.backward.b, h or base.backward.h, v or base.backward.v), backward=True
+        shape,
+        KernelTiles(b or base.backward.block_b, h or base.backward.block_h, v or base.backward.block_v),
+        backward=True,
     )
     capacity = target.vmem_bytes
-    need_forward = cost_model.forward_bytes(shape, forward.b, forward.h, forward.v)
-    need_backward = cost_model.backward_bytes(shape, backward.b, backward.h, backward.v)
+    need_forward = cost_model.forward_bytes(shape, forward.block_b, forward.block_h, forward.block_v)
+    need_backward = cost_model.backward_bytes(shape, backward.block_b, backward.block_h, backward.block_v)
     if max(need_forward, need_backward) > vmem_limit(target):
         raise ValueError(
             f"pallas_tpu: {block_sizes} needs about {need_forward / 2**20:.1f} MiB (forward) and "

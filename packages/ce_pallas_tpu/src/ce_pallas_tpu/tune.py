@@ -29,9 +29,10 @@ from pathlib import Path
 
 from ce_pallas_tpu import schedule
 from ce_pallas_tpu.cost_model import Shape, backward_bytes, forward_bytes
+from ce_pallas_tpu.layout import LANES, round_up
 from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
 from ce_pallas_tpu.target import CHIP_FACTS, Target
-from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, LANES, KernelTiles, TunedEntry, fit_tiles, tuned_table, vmem_limit
+from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, KernelTiles, TunedEntry, fit_tiles, tuned_table, vmem_limit
 
 #: Candidates may exceed the usable VMEM by this factor in the model: the compile decides.
 VMEM_PREFILTER_SLACK = 1.35
@@ -66,7 +67,7 @@ TUNED_MODULE = Path(__file__).parent / "tuned.py"
 
 def example_problem(n: int, h: int, v: int) -> Shape:
     """A plain bfloat16 problem as the tile rules see it."""
-    return Shape(n, -(-h // LANES) * LANES, v, 2, 2, with_sum=False, capped=False)
+    return Shape(n, round_up(h, LANES), v, 2, 2, with_sum=False, capped=False)
 
 
 def _prefilter_bytes(generation: str) -> float:
@@ -127,7 +128,7 @@ def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles
     try:
         with aot.compiling_for(generation) as device:
             cfg = kernel_config(kernel, shape.n, shape.hp, shape.v, "bfloat16", "bfloat16", StatsSpec(),
-                                (tiles.b, tiles.h, tiles.v), tiles.w_buffers)
+                                (tiles.block_b, tiles.block_h, tiles.block_v), tiles.w_buffers)
             fn, args = kernel_program(kernel, cfg, "bfloat16", "bfloat16",
                                       jax.sharding.SingleDeviceSharding(device))
             jax.jit(fn).lower(*args).compile()
@@ -174,15 +175,15 @@ class TuneError(RuntimeError):
 
 
 def same_tiles(a: KernelTiles, b: KernelTiles) -> bool:
-    return (a.b, a.h, a.v) == (b.b, b.h, b.v)
+    return (a.block_b, a.block_h, a.block_v) == (b.block_b, b.block_h, b.block_v)
 
 
 def fitted(shape: Shape, tiles: KernelTiles, kernel: str) -> KernelTiles:
     """``tiles`` clamped to the problem as the kernels will use them (the forward's whole-hidden ``h``
     stays ``None``; the backward's chunk divides the padded hidden size)."""
     fit = fit_tiles(shape, tiles, backward=kernel == "backward")
-    h = None if kernel == "forward" and fit.h == shape.hp else fit.h
-    return KernelTiles(fit.b, h, fit.v, tiles.w_buffers)
+    h = None if kernel == "forward" and fit.block_h == shape.hp else fit.block_h
+    return KernelTiles(fit.block_b, h, fit.block_v, tiles.w_buffers)
 
 
 def incumbent_tiles(generation: str, bucket: str, kernel: str, shape: Shape) -> KernelTiles | None:
@@ -223,7 +224,7 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
             chosen.append(compiled)
     if not chosen:
         raise TuneError(f"no {kernel} candidate compiles for {generation}/{bucket}")
-    jobs = [schedule.Job(kernel, problem.n, problem.hp, problem.v, tiles=(t.b, t.h, t.v), w_buffers=t.w_buffers)
+    jobs = [schedule.Job(kernel, problem.n, problem.hp, problem.v, tiles=t.sizes, w_buffers=t.w_buffers)
             for t in chosen]
     records = schedule.measure(generation, jobs, quiet=quiet)
     measured = list(zip(chosen, records, strict=True))
@@ -240,7 +241,7 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
 
 
 def _label(tiles: KernelTiles) -> str:
-    text = f"{tiles.b}/{tiles.h}/{tiles.v}"
+    text = f"{tiles.block_b}/{tiles.block_h}/{tiles.block_v}"
     return text if tiles.w_buffers is None else f"{text} x{tiles.w_buffers}"
 
 
@@ -293,7 +294,7 @@ def _order(key: tuple[str, str]) -> tuple[int, int, str, str]:
 
 
 def _render_tiles(tiles: KernelTiles) -> str:
-    text = f"KernelTiles({tiles.b}, {tiles.h}, {tiles.v}"
+    text = f"KernelTiles({tiles.block_b}, {tiles.block_h}, {tiles.block_v}"
     return text + (")" if tiles.w_buffers is None else f", w_buffers={tiles.w_buffers})")
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ce_pallas_tpu.layout import cdiv
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleChip:
@@ -29,7 +31,7 @@ class ScheduleChip:
 
     def matmul_cycles(self, m: int, k: int, n: int) -> float:
         """Fewest cycles of one bf16 ``[m, k] @ [k, n]`` on this core's MXUs."""
-        tiles = -(-k // self.side) * -(-n // self.side)
+        tiles = cdiv(k, self.side) * cdiv(n, self.side)
         return m * tiles / (self.mxus * self.rows_per_cycle)
 
 

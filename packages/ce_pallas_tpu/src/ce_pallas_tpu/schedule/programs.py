@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import KernelConfig
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
+from ce_pallas_tpu.layout import cdiv
 
 
 def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
@@ -31,7 +32,7 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
         b, h, vb = tiles
         b, vb = min(b, n), min(vb, v)
         cfg = dataclasses.replace(cfg, b=b, h=cfg.hp if h is None else h, vb=vb,
-                                  num_cores=active_cores(current_target().num_cores, -(-v // vb)))
+                                  num_cores=active_cores(current_target().num_cores, cdiv(v, vb)))
     if w_buffers is not None and kernel == "backward":
         cfg = dataclasses.replace(cfg, w_buffers=w_buffers)
     return cfg
