@@ -42,6 +42,10 @@ PARITY_CASES = [
     ("v5e", (2, 64), 256, 384, "bfloat16", Case(use_weights=True, logsumexp_weight=1e-3), BlockSizes(64, 128, 128)),
     ("v5p", (256,), 128, 640, "bfloat16", Case(), None),
     ("v5e", (37,), 48, 203, "float32", Case(use_weights=True, label_smoothing=0.05), None),
+    # v6e: the pipelined forward step in chunks of 256 vocab columns (2 and 3 per block).
+    ("v6e", (3, 47), 256, 1700, "bfloat16", Case(reduction="sum", use_weights=True, label_smoothing=0.1),
+     BlockSizes(64, None, 512)),
+    ("v6e", (100,), 200, 1300, "float32", ALL_FEATURES, BlockSizes(32, None, 768)),
 ]
 
 
@@ -61,20 +65,26 @@ def test_eager_tiny_problem(interpret, target):
     compare_with_oracle("pallas_tpu", Case(label_smoothing=0.1), x, labels, w, jit=False)
 
 
-@pytest.mark.parametrize("target", ["v5e", "v5p"])
-@pytest.mark.parametrize("blocks", [BlockSizes(32, 128, 128), BlockSizes(32, None, 128)],
-                         ids=["hidden-blocked", "pipelined"])
-def test_row_stats_and_vjp_match_the_reference(interpret, target, blocks):
+ROW_STATS_CASES = [
+    (target, blocks, 333) for target in ("v5e", "v5p") for blocks in (BlockSizes(32, 128, 128), BlockSizes(32, None, 128))
+] + [("v6e", BlockSizes(32, None, 512), 1333)]
+
+
+@pytest.mark.parametrize("target,blocks,vocab", ROW_STATS_CASES,
+                         ids=["v5e-hidden-blocked", "v5e-pipelined", "v5p-hidden-blocked", "v5p-pipelined",
+                              "v6e-pipelined-in-column-chunks"])
+def test_row_stats_and_vjp_match_the_reference(interpret, target, blocks, vocab):
     """The backend contract directly: all four statistics and their VJP for arbitrary cotangents.
 
     Labels outside ``[0, V)`` (those of another vocab shard) must give a label logit of 0. Both
-    forward paths run (hidden blocked, and whole hidden with the software-pipelined vocab loop); on
-    v5p the vocab is split over two cores, whose expected logits are merged by their share of mass.
+    forward paths run (hidden blocked, and whole hidden with the software-pipelined vocab loop, on
+    v6e in chunks of 256 columns); on v5p the vocab is split over two cores, whose expected logits
+    are merged by their share of mass.
     """
     interpret(target)
-    x, labels, w = random_problem(13, (77,), 160, 333, ignore_fraction=0.0)
+    x, labels, w = random_problem(13, (77,), 160, vocab, ignore_fraction=0.0)
     labels = labels.copy()
-    labels[:5] = [-1, 333, 400, -7, 1000]
+    labels[:5] = [-1, vocab, vocab + 67, -7, 1000 + vocab]
     spec = StatsSpec(logit_soft_cap=5.0, with_sum=True, with_expected=True, block_sizes=blocks)
     backend = ce_pallas_tpu.make_backend()
     x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)

@@ -12,20 +12,25 @@ Grid ``(cores, token blocks, vocab blocks per core, hidden blocks)``:
 A logit tile ``[b, v]`` exists only in VMEM (accumulated over hidden blocks in a VMEM scratch when
 the hidden dimension is blocked). An online logsumexp keeps a running max and sum per row in VMEM
 scratch across vocab blocks (and, for the entropy, the sum of ``exp(z - max) z``, rescaled with the
-sum of exp, whose ratio to it is the expected logit). With the hidden dimension whole (the default), the vocab loop is
-software-pipelined: a step forms the logits of its block in one slot of a two-slot scratch while
-the vector units take the statistics of the previous block from the other slot, so the
-exp/max/sum work overlaps the MXU instead of following it (it costs 0.08-0.13 of a step
-otherwise). The soft cap is applied in the kernel; the label logit is picked by
-comparing a column iota with the label (no ``one_hot``, no gather: both fail to lower on v4); vocab
-columns past ``V`` in a ragged last block hold garbage and are masked to ``-inf`` (to 0 in the sum).
-Rows past ``N`` in a ragged last token block produce garbage that Pallas never writes back. When
-``H`` is not a multiple of 128 the blocks span its round-up ``Hp`` and the garbage past ``H`` is
-zeroed in both operands' VMEM buffers first; nothing is padded in HBM.
+sum of exp, whose ratio to it is the expected logit). With the hidden dimension whole (the
+default), the vocab loop is software-pipelined: a step forms the logits of its block in one slot of
+a two-slot scratch while the vector units take the statistics of the previous block from the other
+slot, so the exp/max/sum work overlaps the MXU instead of following it (it costs 0.08-0.13 of a
+step otherwise). On TPUs whose MXUs are 256 wide (v6e, TPU7x), which outpace the vector units
+more, a step does this in chunks of 256 columns (``ForwardConfig.column_chunk``): left whole,
+libtpu's scheduler packs the statistics after the product, where they run alone.
+
+The soft cap is applied in the kernel; the label logit is picked by comparing a column iota with
+the label (no ``one_hot``, no gather: both fail to lower on v4); vocab columns past ``V`` in a
+ragged last block hold garbage and are masked to ``-inf`` (to 0 in the sum). Rows past ``N`` in a
+ragged last token block produce garbage that Pallas never writes back. When ``H`` is not a
+multiple of 128 the blocks span its round-up ``Hp`` and the garbage past ``H`` is zeroed in both
+operands' VMEM buffers first; nothing is padded in HBM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,8 +42,20 @@ from ce_core.varying import vary, varying_axes_of
 from ce_pallas_tpu import common
 
 
+@dataclasses.dataclass(frozen=True)
 class ForwardConfig(common.KernelConfig):
-    """Static shape and tiling of one forward call; ``h`` is the hidden block (``hp``: unblocked)."""
+    """Static shape and tiling of one forward call; ``h`` is the hidden block (``hp``: unblocked).
+
+    ``column_chunk``: with the hidden dimension whole, a step forms its logit tile and takes the
+    statistics of the previous one in pieces of this many vocab columns (``None``: in one piece).
+    """
+
+    column_chunk: int | None = None
+
+    @property
+    def column_chunks(self) -> list[int]:
+        """The first vocab column of each piece of a step's logit tile."""
+        return list(range(0, self.vb, self.column_chunk or self.vb))
 
 
 def _update(z_raw, start, y, state, cfg: ForwardConfig, *, may_be_last: bool = True):
@@ -117,8 +134,14 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         def step(cur: int, prev: int):
             # Block j-1 is never the ragged last one here: that one is the last of its core, and
             # is taken by the drain below or, on a core one block short, by the branch after it.
-            z_sc[cur] = common.matmul(x_ref[...], w_ref[...], cfg.precision)
-            taken = _update(z_sc[prev], (block - 1) * cfg.vb, y_ref[...], read_state(), cfg, may_be_last=False)
+            # In column chunks, each chunk's product followed in program order by the statistics of
+            # the same columns of block j-1, so libtpu's scheduler interleaves them with the MXU work.
+            taken = read_state()
+            for first in cfg.column_chunks:
+                cols = pl.ds(first, cfg.column_chunk or cfg.vb)
+                z_sc[cur, :, cols] = common.matmul(x_ref[...], w_ref[:, cols], cfg.precision)
+                taken = _update(z_sc[prev, :, cols], (block - 1) * cfg.vb + first, y_ref[...], taken, cfg,
+                                may_be_last=False)
             fresh = initial_state()
             write_state(tuple(None if t is None or f is None else jnp.where(j == 0, f, t)
                               for t, f in zip(taken, fresh, strict=True)))

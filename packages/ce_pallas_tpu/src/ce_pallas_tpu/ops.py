@@ -115,6 +115,7 @@ def make_plan(
         h=tiles.forward.block_h,
         vb=tiles.forward.block_v,
         num_cores=active_cores(target.num_cores, nv_forward),
+        column_chunk=tiling.forward_column_chunk(target, tiles.forward),
         **common,
     )
     backward = BackwardConfig(

@@ -54,6 +54,7 @@ class ChipFacts:
     hbm_bytes: int  # HBM of the whole chip
     bf16_flops: float  # per TensorCore
     hbm_bytes_per_s: float  # per TensorCore
+    mxu_side: int = 128  # the MXUs are mxu_side x mxu_side systolic arrays
 
     @property
     def flops_per_byte(self) -> float:
@@ -67,9 +68,9 @@ CHIP_FACTS: dict[str, ChipFacts] = {
     "v4": ChipFacts(2, 16 * _MIB, 32 * 1024 * _MIB, 137.5e12, 0.615e12),
     "v5e": ChipFacts(1, 128 * _MIB, 16 * 1024 * _MIB, 197e12, 0.82e12),
     "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12),
-    "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12),
+    "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256),
     # TPU7x (Ironwood): each TensorCore is a device of its own, with 64 MiB of VMEM and half the chip's HBM.
-    "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12),
+    "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12, mxu_side=256),
     "default": ChipFacts(1, 16 * _MIB, 16 * 1024 * _MIB, 200e12, 0.8e12),
 }
 

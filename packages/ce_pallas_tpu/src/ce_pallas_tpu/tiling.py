@@ -267,6 +267,17 @@ def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
     return 2 if double <= vmem_budget(target) else 1
 
 
+def forward_column_chunk(target: Target, tiles: FittedTiles) -> int | None:
+    """Vocab columns per piece of the forward's pipelined step: one MXU width on generations whose
+    MXUs are 256 wide (measured with ``ce-bench schedule``: v6e 1.124 -> 1.099 of the MXU minimum at
+    Llama-3 8B's head), when the block spans several; otherwise the whole block (``None``). Only a
+    step with the hidden dimension whole is pipelined, so only that one reads it."""
+    side = target.facts.mxu_side
+    if side < 256 or tiles.block_v <= side or tiles.block_v % side:
+        return None
+    return side
+
+
 def validate_explicit(block_sizes: BlockSizes, hp: int) -> None:
     """``ValueError`` (saying why) for explicit sizes the kernels can never use."""
     b, h, v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size

@@ -12,6 +12,7 @@ from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import KernelConfig
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
 from ce_pallas_tpu.layout import cdiv
+from ce_pallas_tpu.tiling import FittedTiles, forward_column_chunk
 
 
 def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
@@ -31,8 +32,12 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     if tiles is not None:
         b, h, vb = tiles
         b, vb = min(b, n), min(vb, v)
+        target = current_target()
         cfg = dataclasses.replace(cfg, b=b, h=cfg.hp if h is None else h, vb=vb,
-                                  num_cores=active_cores(current_target().num_cores, cdiv(v, vb)))
+                                  num_cores=active_cores(target.num_cores, cdiv(v, vb)))
+        if isinstance(cfg, ForwardConfig):
+            fitted = FittedTiles(cfg.b, cfg.h, cfg.vb)
+            cfg = dataclasses.replace(cfg, column_chunk=forward_column_chunk(target, fitted))
     if w_buffers is not None and kernel == "backward":
         cfg = dataclasses.replace(cfg, w_buffers=w_buffers)
     return cfg
