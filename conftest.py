@@ -30,8 +30,10 @@ if _DEVICE_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get("CE_FAIL_ON_SKIP") != "1":
         return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = reporter.stats.get("skipped", []) if reporter else []
+    reporter: pytest.TerminalReporter | None = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not reporter:  # e.g. under -p no:terminal
+        return
+    skipped = reporter.stats.get("skipped", [])
     if skipped and session.exitstatus == 0:
         names = ", ".join(report.nodeid for report in skipped[:10])
         reporter.ensure_newline()

@@ -13,18 +13,22 @@ tokamax's implementations); ``tokamax:mosaic_tpu`` is only collected on a TPU.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from ce_bench.presets import Shape
 
 
 class ShapeParam(str):
     """The ``shape`` parameter: its text ("small 1024x512x16384") names the benchmark group under
     ``--benchmark-group-by=param:shape``; ``.shape`` is the :class:`ce_bench.presets.Shape`."""
 
-    shape: object
+    shape: Shape
 
-    def __new__(cls, shape: object) -> ShapeParam:
-        value = super().__new__(cls, shape.label)  # type: ignore[attr-defined]
+    def __new__(cls, shape: Shape) -> ShapeParam:
+        value = super().__new__(cls, shape.label)
         value.shape = shape
         return value
 

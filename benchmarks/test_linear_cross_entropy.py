@@ -16,16 +16,18 @@ from ce_bench.timing import block
 
 
 def test_fwd_bwd(benchmark, backend: str, shape, request: pytest.FixtureRequest) -> None:
-    shape: presets.Shape = shape.shape  # the parameter is a ShapeParam (see conftest.py)
-    dtype = presets.parse_dtypes(request.config.getoption("--ce-dtype"))[0]
+    problem: presets.Shape = shape.shape  # the parameter is a ShapeParam (see conftest.py)
+    dtypes = request.config.getoption("--ce-dtype")
+    assert isinstance(dtypes, str), dtypes
+    dtype = presets.parse_dtypes(dtypes)[0]
     try:
-        prepared = runner.prepare(backend, shape, dtype)
+        prepared = runner.prepare(backend, problem, dtype)
     except MemoryError as error:
         pytest.skip(str(error))
     except NotImplementedError as error:  # ce_core.UnsupportedError, tokamax's device check
-        pytest.skip(f"{backend} does not support {shape.label}: {error}")
+        pytest.skip(f"{backend} does not support {problem.label}: {error}")
 
-    benchmark.extra_info.update(backend=backend, shape=shape.label, n=shape.n, h=shape.h, v=shape.v,
+    benchmark.extra_info.update(backend=backend, shape=problem.label, n=problem.n, h=problem.h, v=problem.v,
                                 dtype=dtype.name, temp_bytes=prepared.stats.temp_bytes,
                                 block_sizes=prepared.block_sizes, device=runner.device_description())
     args = prepared.args
@@ -36,4 +38,4 @@ def test_fwd_bwd(benchmark, backend: str, shape, request: pytest.FixtureRequest)
     assert bool(jax.numpy.isfinite(loss))
     if benchmark.stats is not None:  # None under --benchmark-disable
         median = benchmark.stats.stats.median
-        benchmark.extra_info["tokens_per_s"] = shape.n / median if median > 0 else None
+        benchmark.extra_info["tokens_per_s"] = problem.n / median if median > 0 else None

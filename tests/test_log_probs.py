@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,11 @@ def check_log_probs(backend, x, labels, w, *, dtype="float32", return_entropy=Tr
 
     def objective(x_, w_):
         out = fn(x_, labels, w_, return_entropy=return_entropy, **options)
-        logp, entropy = out if return_entropy else (out, jnp.zeros_like(out))
+        if return_entropy:
+            logp, entropy = out
+        else:
+            assert isinstance(out, jax.Array), type(out)
+            logp, entropy = out, jnp.zeros_like(out)
         return jnp.sum(g_logp * logp + g_ent * entropy), (logp, entropy)
 
     grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
@@ -115,10 +120,11 @@ def test_bad_temperature_is_a_clear_error(value):
 
 def test_bad_options_of_log_probs():
     x, labels, w = random_problem(8, (4,), 8, 16)
+    not_a_bool: Any = "yes"  # what a caller without a type checker may pass
     with pytest.raises(ValueError, match="logit_soft_cap must be None or > 0"):
         linear_log_probs(x, labels, w, logit_soft_cap=0.0)
     with pytest.raises(ValueError, match="return_entropy must be a bool"):
-        linear_log_probs(x, labels, w, return_entropy="yes")
+        linear_log_probs(x, labels, w, return_entropy=not_a_bool)
     with pytest.raises(ValueError, match="labels must have shape"):
         linear_log_probs(x, labels[:3], w)
 

@@ -14,6 +14,7 @@ import functools
 import math
 import re
 import warnings
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,17 @@ LAYOUTS = {
     "fsdp": (P("data", None, None), P("data", None), (H, V)),
     "fsdp_x_vocab": (P("data", None, None), P("data", "model"), (H, V // 4)),
 }
-OPTIONS = dict(label_smoothing=0.1, logsumexp_weight=1e-3, logit_soft_cap=3.0)
+
+
+class LossOptions(TypedDict, total=False):
+    """Keyword options shared by the loss and its oracle."""
+
+    label_smoothing: float
+    logsumexp_weight: float
+    logit_soft_cap: float
+
+
+OPTIONS = LossOptions(label_smoothing=0.1, logsumexp_weight=1e-3, logit_soft_cap=3.0)
 #: An all-gather instruction in compiled HLO text (also the async start on TPU), and its result shape.
 ALL_GATHER = re.compile(r"=\s*\(?[a-z0-9]+\[(?P<dims>[\d,]*)\][^=\n]*?\ball-gather(?:-start)?\(")
 
@@ -61,6 +72,7 @@ def all_gathers(hlo: str) -> list[tuple[int, ...]]:
 
 
 def same_layout(array: jax.Array, spec: P) -> bool:
+    assert isinstance(array.sharding, NamedSharding), array.sharding
     return spec_entries(array.sharding.spec, array.ndim) == spec_entries(spec, array.ndim)
 
 
@@ -71,6 +83,7 @@ def value_grads_and_hlo(mode, mesh, loss_fn, x, w, x_spec, w_spec):
         ws = jax.device_put(w, NamedSharding(mesh, w_spec))
         loss, (dx, dw) = step(xs, ws)
         hlo = step.lower(xs, ws).compile().as_text()
+    assert hlo is not None
     return loss, dx, dw, hlo
 
 
@@ -177,11 +190,12 @@ def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
     from ce_pallas_tpu import ops
+    from ce_pallas_tpu.forward import forward_call
 
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
     monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1" if mode == "explicit" else "plain")
     calls = []
-    original = ops.forward_call
+    original = forward_call  # what ops calls, until patched here
     monkeypatch.setattr(ops, "forward_call", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
     x_spec, w_spec, _ = LAYOUTS[layout]
     x, labels, w = random_problem(5, (4, 6), 128, 512)
@@ -194,6 +208,7 @@ def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
     assert per_shard and len(per_shard) >= len(calls) - (mode != "explicit"), calls
     assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
     assert same_layout(dx, x_spec) and same_layout(dw, w_spec)
+    assert interpret_pallas_call.races is not None
     assert not interpret_pallas_call.races.races_found
 
 
@@ -306,9 +321,12 @@ def test_plain_call_compiles_for_a_v5p_topology_within_its_memory_bound(monkeypa
             arg((n, h), jnp.bfloat16, P("data", None)), arg((n,), jnp.int32, P("data")),
             arg((h, v), jnp.bfloat16, w_spec)).compile()
     hlo = compiled.as_text()
+    assert hlo is not None
     data, vocab = mesh_shape[0], (mesh_shape[1] if w_spec == P(None, "model") else 1)
     bound = 4 * h * v / vocab + 8 * (n / data) * h + 64 * 2**20
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    memory = compiled.memory_analysis()
+    assert memory is not None
+    temp = memory.temp_size_in_bytes
     assert temp <= bound, f"{temp / 2**20:.0f} MiB of temporaries per device > {bound / 2**20:.0f} MiB"
     assert all_gathers(hlo) == []
     assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,13 @@ SHARDED_CASES = [
     Case(reduction="none", logit_soft_cap=2.0, label_smoothing=0.1),
     Case(reduction="mean", use_weights=True, logsumexp_weight=1e-3, logit_soft_cap=2.0, label_smoothing=0.1),
 ]
+
+
+class LossOptions(TypedDict, total=False):
+    """Keyword options shared by the loss and its oracle."""
+
+    label_smoothing: float
+    logsumexp_weight: float
 
 
 #: The backend_name tests run on 8 simulated devices; interpreted pallas_tpu on meshes is covered by
@@ -51,6 +59,7 @@ def test_pallas_tpu_through_the_wrapper_on_a_2x2_mesh(monkeypatch):
     loss_fn = functools.partial(sharded_linear_cross_entropy, mesh=make_mesh(2, 2), vocab_axis="vocab")
     x, labels, w = random_problem(1, (3, 11), 48, 328)  # 33 tokens: padded to 34 for 2 data shards
     compare_with_oracle("pallas_tpu", SHARDED_CASES[-1], x, labels, w, loss_fn=loss_fn)
+    assert interpret_pallas_call.races is not None
     assert not interpret_pallas_call.races.races_found
 
 
@@ -165,9 +174,13 @@ def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 2))).lower(
         arg((n, h), jnp.bfloat16, "data", None), arg((n,), jnp.int32, "data"), arg((h, v), jnp.bfloat16, None, "vocab")
     ).compile()
-    assert "tpu_custom_call" in compiled.as_text()  # the Pallas kernels, not a fallback
+    hlo = compiled.as_text()
+    assert hlo is not None
+    assert "tpu_custom_call" in hlo  # the Pallas kernels, not a fallback
     tokens, vocab = n // 2, v // 2  # per device
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    memory = compiled.memory_analysis()
+    assert memory is not None
+    temp = memory.temp_size_in_bytes
     assert temp <= 4 * h * vocab + 8 * tokens * h  # pallas_tpu's bound: one f32 dw, two f32 dx
     assert temp < 4 * tokens * vocab  # less than one f32 copy of this device's logits
 
@@ -196,7 +209,7 @@ def test_wrapper_takes_a_make_mesh_mesh_and_ordinary_arrays(backend_name, axis_t
 def test_wrapper_reshards_inputs_laid_out_otherwise_under_explicit_axes(backend_name, x_spec, w_spec):
     mesh = _make_mesh(jax.sharding.AxisType.Explicit)
     x, labels, w = random_problem(12, (32,), 48, 320)
-    options = dict(label_smoothing=0.1, logsumexp_weight=1e-3)
+    options = LossOptions(label_smoothing=0.1, logsumexp_weight=1e-3)
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, x_spec)
         ws = jax.device_put(w, w_spec)

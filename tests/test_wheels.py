@@ -6,6 +6,7 @@ outside the workspace, so a missing file, dependency or entry point fails here a
 
 from __future__ import annotations
 
+import email.message
 import email.parser
 import json
 import os
@@ -76,7 +77,9 @@ def test_wheel_and_sdist_metadata(dist, distribution):
     assert metadata["Requires-Python"] == ">=3.12"
     assert metadata["License-Expression"] == "MIT"
     readme = (ROOT / "packages" / import_name / "README.md").read_text()
-    assert metadata.get_payload().strip() == readme.strip(), "the package README is the long description"
+    description = metadata.get_payload()
+    assert isinstance(description, str), "METADATA should have one plain-text body (the long description), not parts"
+    assert description.strip() == readme.strip(), "the package README is the long description"
     assert metadata["Description-Content-Type"] == "text/markdown"
     requires = metadata.get_all("Requires-Dist") or []
     if distribution != "ce-core":

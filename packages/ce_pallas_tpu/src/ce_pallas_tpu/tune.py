@@ -26,6 +26,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from ce_pallas_tpu import schedule
 from ce_pallas_tpu.cost_model import Shape, backward_bytes, forward_bytes
@@ -254,6 +255,15 @@ def shorten(text: str, limit: int = NOTE_LIMIT) -> str:
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
+class _KernelFields(NamedTuple):
+    """One kernel's part of a :class:`TunedEntry`: its tiles and their figures (``None``: not measured)."""
+
+    tiles: KernelTiles
+    ratio: float | None = None
+    hbm_us: float | None = None
+    mxu_us: float | None = None
+
+
 def entry_from(choices: Mapping[str, KernelChoice], previous: TunedEntry | None = None,
                failures: Mapping[str, str] | None = None) -> TunedEntry:
     """The table entry of a bucket's kernel choices, with their measured figures (rounded).
@@ -264,22 +274,25 @@ def entry_from(choices: Mapping[str, KernelChoice], previous: TunedEntry | None 
     Raises:
       ValueError: a kernel is missing and there is no previous entry to keep its tiles from.
     """
-    fields: dict[str, object] = {}
-    notes = []
-    for kernel in ("forward", "backward"):
+    notes: list[str] = []
+
+    def fields_of(kernel: str) -> _KernelFields:
         choice = choices.get(kernel)
         if choice is None:
             if previous is None:
                 raise ValueError(f"no {kernel} choice and no previous entry to keep its tiles from")
-            fields[kernel] = getattr(previous, kernel)
             notes.append(shorten(f"{kernel} not measured: {(failures or {}).get(kernel, 'not tuned')}"))
-            continue
+            return _KernelFields(previous.forward if kernel == "forward" else previous.backward)
         record = choice.schedule
-        fields[kernel] = choice.tiles
-        fields[f"{kernel}_ratio"] = _figure(record.ratio, 3)
-        fields[f"{kernel}_hbm_us"] = _figure(record.hbm_us_per_step, 2)
-        fields[f"{kernel}_mxu_us"] = _figure(record.mxu_us_per_step, 2)
-    return TunedEntry(**fields, note="; ".join(notes) or None)  # pyright: ignore[reportArgumentType]
+        return _KernelFields(choice.tiles, _figure(record.ratio, 3), _figure(record.hbm_us_per_step, 2),
+                             _figure(record.mxu_us_per_step, 2))
+
+    forward, backward = fields_of("forward"), fields_of("backward")
+    return TunedEntry(forward=forward.tiles, backward=backward.tiles,
+                      forward_ratio=forward.ratio, backward_ratio=backward.ratio,
+                      forward_hbm_us=forward.hbm_us, forward_mxu_us=forward.mxu_us,
+                      backward_hbm_us=backward.hbm_us, backward_mxu_us=backward.mxu_us,
+                      note="; ".join(notes) or None)
 
 
 # ---------------------------------------------------------------------------------------------
