@@ -257,7 +257,6 @@ USAGE_ERRORS = [
     (["tune", "--target", "v5e", "--buckets", "llama3,nope"], ["unknown bucket(s) nope", "huge_batch"]),
     (["tune", "--target", "v5e", "--candidates", "0"], ["--candidates", "positive integer"]),
     (["tune", "--target", "v5e", "--kernels", "sideways"], ["--kernels", "'sideways'"]),
-    (["tune", "--target", "v5e", "--kernels", "forward", "--write"], ["--write needs both kernels"]),
     (["tune", "--target", "v5e", "--shape", "512x256x2048", "--write"], ["--write", "leave out --shape"]),
     (["tune", "--target", "v5e", "--shape", "12x3"], ["malformed shape '12x3'"]),
     (["sharding", "--meshes", "2x"], ["--meshes", "DATAxVOCAB"]),

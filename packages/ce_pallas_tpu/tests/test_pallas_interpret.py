@@ -66,8 +66,10 @@ def test_eager_tiny_problem(interpret, target):
 
 
 ROW_STATS_CASES = [
-    (target, blocks, 333) for target in ("v5e", "v5p") for blocks in (BlockSizes(32, 128, 128), BlockSizes(32, None, 128))
-] + [("v6e", BlockSizes(32, None, 512), 1333)]
+    *((target, blocks, 333) for target in ("v5e", "v5p")
+      for blocks in (BlockSizes(32, 128, 128), BlockSizes(32, None, 128))),
+    ("v6e", BlockSizes(32, None, 512), 1333),
+]
 
 
 @pytest.mark.parametrize("target,blocks,vocab", ROW_STATS_CASES,

@@ -90,6 +90,19 @@ def test_a_kernel_that_could_not_be_measured_keeps_its_tiles_and_says_why():
         tune.entry_from({"backward": backward})
 
 
+def test_a_kernel_not_tuned_in_this_run_keeps_its_tiles_figures_and_notes():
+    previous = TunedEntry(KernelTiles(512, None, 1024), KernelTiles(128, 512, 1024), forward_ratio=1.3,
+                          forward_hbm_us=1.0, forward_mxu_us=9.0, backward_ratio=1.1, backward_hbm_us=2.0,
+                          backward_mxu_us=8.0, note="forward was slow; backward keeps two buffers")
+    record = KernelSchedule("v6e", "forward", 8192, 4096, 128256, "bfloat16", "bfloat16", ratio=1.0987,
+                            hbm_us_per_step=5.1612, mxu_us_per_step=9.3623)
+    forward = tune.KernelChoice("forward", KernelTiles(1024, None, 2048), record, [], [], None)
+    entry = tune.entry_from({"forward": forward}, previous, kept=("backward",))
+    assert entry == TunedEntry(forward.tiles, previous.backward, forward_ratio=1.099, forward_hbm_us=5.16,
+                               forward_mxu_us=9.36, backward_ratio=1.1, backward_hbm_us=2.0, backward_mxu_us=8.0,
+                               note="backward keeps two buffers")
+
+
 @pytest.mark.parametrize("generation", tune.GENERATIONS[1:])
 @pytest.mark.parametrize("bucket", ["llama3", "huge_batch"])
 def test_candidates_are_compute_bound_by_the_analytic_model_and_fit_the_prefilter(generation, bucket):

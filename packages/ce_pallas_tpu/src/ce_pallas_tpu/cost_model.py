@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ce_pallas_tpu.layout import LANES, round_up
+from ce_pallas_tpu.layout import LANES, forward_column_chunk, round_up
 from ce_pallas_tpu.target import ChipFacts
 
 #: Seconds of fixed cost per grid step (pipeline bookkeeping, DMA issue), a measured ballpark.
@@ -60,9 +60,12 @@ class Shape:
         return 2 if self.x_bytes == 2 and self.w_bytes == 2 else 4
 
 
-def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = True) -> int:
-    """VMEM the forward kernel needs with token block ``b``, hidden block ``h``, vocab block ``vb``."""
+def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = True, mxu_side: int = 128) -> int:
+    """VMEM the forward kernel needs with token block ``b``, hidden block ``h``, vocab block ``vb``, on a
+    generation with ``mxu_side``-wide MXUs (where the pipelined step may work in column chunks)."""
     blocked = h < shape.hp
+    # The elementwise temporaries span one column chunk of the pipelined step, or the whole block.
+    columns = vb if blocked else forward_column_chunk(mxu_side, vb) or vb
     # A single-buffered resident x still costs about half a buffer more (the matmul's operand copy).
     x_buffers = 2 if (blocked or not single_x) else 1.5
     stats = shape.n_stats
@@ -73,7 +76,7 @@ def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = Tru
     total += (stats + 1) * _tile(b, 1, 4)  # running max, sum, label (, logit sum, weighted sum)
     # Logit accumulator over hidden blocks, or the two slots of the software-pipelined vocab loop.
     total += (1 if blocked else 2) * _tile(b, vb, 4)
-    total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(b, vb, 4)
+    total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(b, columns, 4)
     return total
 
 

@@ -180,15 +180,17 @@ def fit_tiles(shape: Shape, tiles: KernelTiles, *, backward: bool) -> FittedTile
     return FittedTiles(b, h, v, tiles.w_buffers if backward else None)
 
 
-def _entry_fits(shape: Shape, bucket: str, forward: FittedTiles, backward: FittedTiles, budget: int) -> bool:
-    """Whether a table entry fits this problem: by the VMEM model, within ``budget`` or no more than at
-    its bucket's example shape (where libtpu compiled it; the model over-estimates, so a compiled entry
-    may exceed the budget by the model)."""
+def _entry_fits(shape: Shape, bucket: str, forward: FittedTiles, backward: FittedTiles, target: Target) -> bool:
+    """Whether a table entry fits this problem: by the VMEM model, within the target's budget or no more
+    than at its bucket's example shape (where libtpu compiled it; the model over-estimates, so a
+    compiled entry may exceed the budget by the model)."""
+    budget, mxu_side = vmem_budget(target), target.facts.mxu_side
     example = bucket_example(bucket)
     single_w = backward.w_buffers != 2
 
     def forward_bytes(problem: Shape) -> int:
-        return cost_model.forward_bytes(problem, forward.block_b, forward.block_h, forward.block_v)
+        return cost_model.forward_bytes(problem, forward.block_b, forward.block_h, forward.block_v,
+                                        mxu_side=mxu_side)
 
     def backward_bytes(problem: Shape) -> int:
         return cost_model.backward_bytes(problem, *backward.sizes, single_w=single_w)
@@ -212,7 +214,8 @@ def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
     forward_options = []
     for b, v, h in itertools.product(tokens, columns, hiddens):
         tiles = fit_tiles(shape, KernelTiles(b, h, v), backward=False)
-        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
+        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
+                                        mxu_side=facts.mxu_side)
         if need <= budget:
             seconds = cost_model.forward_seconds(shape, facts, target.num_cores, *tiles.sizes)
             forward_options.append((seconds, need, tiles))
@@ -253,7 +256,7 @@ def tuned_tiles(shape: Shape, target: Target) -> Tiles:
         backward = fit_tiles(shape, entry.backward, backward=True)
         for w_buffers in dict.fromkeys((backward.w_buffers, 1)):  # the entry's buffers, else one
             backward = dataclasses.replace(backward, w_buffers=w_buffers)
-            if _entry_fits(shape, bucket, forward, backward, budget):
+            if _entry_fits(shape, bucket, forward, backward, target):
                 return Tiles(forward, backward, f"table:{target.generation}/{bucket}")
     return _infer(shape, target, budget)
 
@@ -265,17 +268,6 @@ def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
         return tiles.w_buffers
     double = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v, single_w=False)
     return 2 if double <= vmem_budget(target) else 1
-
-
-def forward_column_chunk(target: Target, tiles: FittedTiles) -> int | None:
-    """Vocab columns per piece of the forward's pipelined step: one MXU width on generations whose
-    MXUs are 256 wide (measured with ``ce-bench schedule``: v6e 1.124 -> 1.099 of the MXU minimum at
-    Llama-3 8B's head), when the block spans several; otherwise the whole block (``None``). Only a
-    step with the hidden dimension whole is pipelined, so only that one reads it."""
-    side = target.facts.mxu_side
-    if side < 256 or tiles.block_v <= side or tiles.block_v % side:
-        return None
-    return side
 
 
 def validate_explicit(block_sizes: BlockSizes, hp: int) -> None:
@@ -316,7 +308,8 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None) 
         backward=True,
     )
     capacity = target.vmem_bytes
-    need_forward = cost_model.forward_bytes(shape, forward.block_b, forward.block_h, forward.block_v)
+    need_forward = cost_model.forward_bytes(shape, forward.block_b, forward.block_h, forward.block_v,
+                                            mxu_side=target.facts.mxu_side)
     need_backward = cost_model.backward_bytes(shape, backward.block_b, backward.block_h, backward.block_v)
     if max(need_forward, need_backward) > vmem_limit(target):
         raise ValueError(

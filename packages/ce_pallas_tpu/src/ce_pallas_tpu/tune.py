@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -93,7 +93,7 @@ def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
         cycles = mxu_cycles(generation, "forward", b, shape.hp, vb)
         mxu_s = cycles / chip.clock_hz
         hbm_s = shape.hp * vb * shape.w_bytes / chip.hbm_bytes_per_s  # the w block; x stays resident
-        need = forward_bytes(shape, b, shape.hp, vb)
+        need = forward_bytes(shape, b, shape.hp, vb, mxu_side=CHIP_FACTS[generation].mxu_side)
         if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
             options.append((_rank(hbm_s / mxu_s, cycles, need), KernelTiles(b, None, vb)))
     return _ranked(options)
@@ -265,11 +265,12 @@ class _KernelFields(NamedTuple):
 
 
 def entry_from(choices: Mapping[str, KernelChoice], previous: TunedEntry | None = None,
-               failures: Mapping[str, str] | None = None) -> TunedEntry:
+               failures: Mapping[str, str] | None = None, kept: Collection[str] = ()) -> TunedEntry:
     """The table entry of a bucket's kernel choices, with their measured figures (rounded).
 
-    A kernel missing from ``choices`` (it could not be measured) keeps its tiles from ``previous``
-    without figures, and the entry's note says why (``failures[kernel]``).
+    A kernel in ``kept`` (not tuned in this run) keeps its tiles, figures and notes from
+    ``previous``. Any other kernel missing from ``choices`` (it could not be measured) keeps its
+    tiles from ``previous`` without figures, and the entry's note says why (``failures[kernel]``).
 
     Raises:
       ValueError: a kernel is missing and there is no previous entry to keep its tiles from.
@@ -281,8 +282,13 @@ def entry_from(choices: Mapping[str, KernelChoice], previous: TunedEntry | None 
         if choice is None:
             if previous is None:
                 raise ValueError(f"no {kernel} choice and no previous entry to keep its tiles from")
+            tiles = previous.forward if kernel == "forward" else previous.backward
+            if kernel in kept:
+                notes.extend(note for note in (previous.note or "").split("; ") if note.startswith(f"{kernel} "))
+                return _KernelFields(tiles, *(getattr(previous, f"{kernel}_{figure}")
+                                              for figure in ("ratio", "hbm_us", "mxu_us")))
             notes.append(shorten(f"{kernel} not measured: {(failures or {}).get(kernel, 'not tuned')}"))
-            return _KernelFields(previous.forward if kernel == "forward" else previous.backward)
+            return _KernelFields(tiles)
         record = choice.schedule
         return _KernelFields(choice.tiles, _figure(record.ratio, 3), _figure(record.hbm_us_per_step, 2),
                              _figure(record.mxu_us_per_step, 2))
