@@ -50,3 +50,16 @@ def test_mxu_minimum_per_generation():
     assert mxu_cycles("v6e", "backward", 256, 4096, 1024) == 3 * 256 * 16 * 4 / 4
     # The clock follows from the peak rate: 16384 cycles on v5p are 9.36 us.
     assert 16384 / SCHEDULE_CHIPS["v5p"].clock_hz == pytest.approx(9.36e-6, rel=1e-3)
+
+
+def test_a_step_moves_at_least_its_changing_operand_blocks():
+    from ce_pallas_tpu.schedule.records import Job
+    from ce_pallas_tpu.schedule.worker import block_bytes_per_step
+
+    cfg = _config(8192, 128256, 1024, 2048, 1)  # 8 token blocks x 63 vocab blocks, H=4096, bf16
+    forward = block_bytes_per_step(Job("forward", 8192, 4096, 128256), cfg)
+    # The 16 MiB w block every step, and the 8 MiB x block once per token block (63 steps).
+    assert forward == pytest.approx(4096 * 2048 * 2 + 1024 * 4096 * 2 / 63)
+    backward = block_bytes_per_step(Job("backward", 8192, 4096, 128256), cfg)
+    # x and the float32 dx partial in and out every step; w and dw once per vocab block (8 steps).
+    assert backward == pytest.approx(1024 * 4096 * (2 + 8) + 2 * 4096 * 2048 * 2 / 8)

@@ -42,7 +42,8 @@ class KernelSchedule:
     ``*_per_step`` are averages over the walked core's full grid, from the bilinear fit of small
     grids; ``interior_cycles_per_step`` is a step away from the grid's edges. ``ratio`` is cycles per
     step over the MXU minimum (1.0: matmul-bound). ``hbm_us_per_step`` is the DMA traffic of a step at
-    the core's HBM bandwidth, to set beside ``mxu_us_per_step``: the static cycles do not see HBM.
+    the core's HBM bandwidth (never less than the operand blocks it must move), to set beside
+    ``mxu_us_per_step``: the static cycles do not see HBM.
     """
 
     generation: str
@@ -63,7 +64,8 @@ class KernelSchedule:
     vmatmuls_per_step: float | None = None
     mxu_cycles_per_step: float | None = None
     ratio: float | None = None
-    hbm_bytes_per_step: float | None = None
+    dma_bytes_per_step: float | None = None  # counted from the DMA waits of the executed bundles
+    hbm_bytes_per_step: float | None = None  # those, or the operand blocks a step must move if more
     hbm_us_per_step: float | None = None
     mxu_us_per_step: float | None = None
     step_us: float | None = None  # cycles per step at the clock
