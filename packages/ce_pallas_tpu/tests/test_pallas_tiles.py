@@ -50,7 +50,7 @@ def test_each_entry_is_used_at_its_bucket_and_fits_vmem(generation, bucket):
     bound = tiling.vmem_budget(_target(generation))
     if generation in tune.GENERATIONS[1:]:
         bound = max(bound, tiling.vmem_limit(_target(generation)) * tune.VMEM_PREFILTER_SLACK)
-    assert cost_model.forward_bytes(shape, *tiles.forward.sizes) <= bound
+    assert cost_model.forward_bytes(shape, *tiles.forward.sizes, mxu_side=_target(generation).facts.mxu_side) <= bound
     assert cost_model.backward_bytes(shape, *tiles.backward.sizes) <= bound
 
 
@@ -69,7 +69,7 @@ def test_inference_respects_each_generations_vmem(generation, dtype, n, h, v):
         assert cost_model.backward_bytes(shape, 8, 512, 128) > budget
         return
     f, b = tiles.forward, tiles.backward
-    assert cost_model.forward_bytes(shape, f.block_b, f.block_h, f.block_v) <= budget
+    assert cost_model.forward_bytes(shape, f.block_b, f.block_h, f.block_v, mxu_side=target.facts.mxu_side) <= budget
     assert cost_model.backward_bytes(shape, b.block_b, b.block_h, b.block_v) <= budget
     assert shape.hp % f.block_h == 0 and shape.hp % b.block_h == 0
     assert (f.block_b % 8 == 0 or f.block_b == n) and (f.block_v % 128 == 0 or f.block_v == v)
