@@ -212,6 +212,24 @@ def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
     assert not interpret_pallas_call.races.races_found
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_pallas_tpu_per_example_gradients_under_vmap_in_a_sharded_step(monkeypatch, mode):
+    """Pallas cannot batch the kernels; ce_core runs the mapped examples one by one, on every shard."""
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1" if mode == "explicit" else "plain")
+    mesh = make_mesh(mode, (2, 2))
+    x, labels, w = random_problem(4, (2, 4, 6), 128, 512)
+    per_example = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, implementation="pallas_tpu")  # noqa: E731
+    grads = jax.vmap(jax.grad(per_example, argnums=(0, 2)), in_axes=(0, 0, None))
+    with entered(mode, mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(None, "data", None, None)))
+        ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+        dx, dw = jax.jit(grads)(xs, labels, ws)
+    for k in range(2):
+        expected = oracle(x[k], labels[k], w)
+        assert max_rel_error(dx[k], expected["dx"]) < 1e-4 and max_rel_error(dw[k], expected["dw"]) < 1e-4
+
+
 def test_pallas_tpu_refuses_the_tpu_interpreter_under_automatic_sharding_before_compiling(monkeypatch):
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
     monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")

@@ -115,6 +115,10 @@ class Backend(abc.ABC):
     #: Platforms (``jax.default_backend()`` names, or ``"*"`` for any) on which this backend joins the
     #: default chain of ``implementation=None``, with its priority there: higher is tried first.
     default_priority: ClassVar[Mapping[str, int]] = MappingProxyType({})
+    #: Whether ``jax.vmap`` can batch this backend's functions itself. ``False`` (kernels Pallas cannot
+    #: batch): ce_core runs a mapped call with the batch folded into the tokens, or example by example
+    #: where each needs its own ``dw`` (:mod:`ce_core.batching`).
+    batchable: ClassVar[bool] = True
 
     def is_available(self) -> bool:
         """Whether this backend can run on the current platform at all."""

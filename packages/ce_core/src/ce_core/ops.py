@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from ce_core.backend import Backend, CotangentFn, RowStats, StatsSpec
+from ce_core.batching import batched_by_kinds
 from ce_core.partitioned import run_partitioned
 from ce_core.placement import Placement
 from ce_core.shard_ops import RowStatsAndGradsFn, RowStatsFn, RowStatsVjpFn, ShardFn, stats_from, stats_values
@@ -28,10 +29,10 @@ from ce_core.shard_ops import RowStatsAndGradsFn, RowStatsFn, RowStatsVjpFn, Sha
 def run(fn: ShardFn, placement: Placement, *args: jax.Array) -> tuple[jax.Array, ...]:
     """``fn`` over whole arrays laid out as ``placement`` says."""
     if placement.kind == "local":
-        return fn(placement.shard_axes, *args)
+        return _per_shard(fn, placement)(*args)
     if placement.kind == "shard_map":
         sharded = jax.shard_map(
-            functools.partial(fn, placement.shard_axes),
+            _per_shard(fn, placement),
             mesh=placement.mesh,
             in_specs=tuple(placement.spec(k) for k in fn.in_kinds),
             out_specs=tuple(placement.spec(k) for k in fn.out_kinds),
@@ -40,6 +41,13 @@ def run(fn: ShardFn, placement: Placement, *args: jax.Array) -> tuple[jax.Array,
     if placement.kind == "partitioned":
         return run_partitioned(fn, *args)
     raise ValueError(f"unknown placement kind {placement.kind!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def _per_shard(fn: ShardFn, placement: Placement):
+    """``fn`` on one shard's arrays; for a backend that JAX cannot batch, with a ``vmap`` rule of ours."""
+    op = functools.partial(fn, placement.shard_axes)
+    return op if fn.backend.batchable else batched_by_kinds(fn, op)
 
 
 def row_stats(backend: Backend, spec: StatsSpec, placement: Placement, x: jax.Array, w: jax.Array,

@@ -14,9 +14,8 @@ columns would be wrong). Token shards that GSPMD pads (``N`` not a multiple of t
 have their padding rows zeroed, so they add nothing to ``dw``.
 
 ``custom_partitioning`` has no differentiation rule; :mod:`ce_core.ops` wraps these calls in
-custom VJPs. Nor has it a batching rule; under ``vmap`` an op whose outputs are all per-token folds
-the mapped axis into its token dimensions (one call), and one with a ``dw`` output maps over the
-examples (each has its own ``dw``). On one device the function is inlined whole.
+custom VJPs. Nor has it a batching rule: :mod:`ce_core.batching` gives it one (fold the mapped axis
+into the token dimensions, or map over the examples). On one device the function is inlined whole.
 """
 
 from __future__ import annotations
@@ -27,10 +26,10 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ce_core.batching import batched_by_kinds
 from ce_core.placement import SpecEntry, axes_of, spec_entries, without_trivial_axes
 from ce_core.shard_ops import ShardAxes, ShardFn
 
@@ -45,25 +44,7 @@ def run_partitioned(fn: ShardFn, *args: jax.Array) -> tuple[jax.Array, ...]:
 @functools.lru_cache(maxsize=256)
 def _batchable_op(fn: ShardFn, lead_ndim: int):
     """The partitioned op with a ``vmap`` rule of its own (``custom_partitioning`` has none)."""
-    op = custom_vmap(_partitioned_op(fn, lead_ndim))
-
-    @op.def_vmap
-    def batched(axis_size, in_batched, *args):
-        if "w" not in fn.out_kinds and not in_batched[fn.in_kinds.index("w")]:
-            # Per-token outputs only: the mapped axis is one more token dimension.
-            leading = [a if b or k == "w" else jnp.broadcast_to(a, (axis_size, *a.shape))
-                       for a, b, k in zip(args, in_batched, fn.in_kinds, strict=True)]
-            return _batchable_op(fn, lead_ndim + 1)(*leading), (True,) * len(fn.out_kinds)
-        # A dw output: every example needs its own, so run them one after another.
-        mapped = [a for a, b in zip(args, in_batched, strict=True) if b]
-
-        def one(example):
-            values = iter(example)
-            return op(*(next(values) if b else a for a, b in zip(args, in_batched, strict=True)))
-
-        return jax.lax.map(one, mapped), (True,) * len(fn.out_kinds)
-
-    return op
+    return batched_by_kinds(fn, _partitioned_op(fn, lead_ndim), folded=lambda: _batchable_op(fn, lead_ndim + 1))
 
 
 def _rule(kinds: tuple[str, ...], lead: str) -> str:

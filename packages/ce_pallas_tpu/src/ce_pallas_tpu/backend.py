@@ -21,6 +21,8 @@ class PallasTpuBackend(Backend):
     contract_version = 2
     #: First on TPU.
     default_priority = MappingProxyType({"tpu": 20})
+    #: Pallas cannot batch the kernels; under ``vmap`` ce_core folds the batch into the tokens instead.
+    batchable = False
 
     def is_available(self) -> bool:
         """A TPU default device, ``CE_PALLAS_TPU_INTERPRET=1`` or ``CE_PALLAS_TPU_TARGET`` (read now)."""
