@@ -40,17 +40,23 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ce_core.varying import vary, varying_axes_of
 from ce_pallas_tpu import common
+from ce_pallas_tpu.layout import forward_column_chunk
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig(common.KernelConfig):
     """Static shape and tiling of one forward call; ``h`` is the hidden block (``hp``: unblocked).
 
-    ``column_chunk``: with the hidden dimension whole, a step forms its logit tile and takes the
-    statistics of the previous one in pieces of this many vocab columns (``None``: in one piece).
+    ``mxu_side``: the width of the generation's MXUs, which sets the step's column chunks.
     """
 
-    column_chunk: int | None = None
+    mxu_side: int = 128
+
+    @property
+    def column_chunk(self) -> int | None:
+        """With the hidden dimension whole, a step forms its logit tile and takes the statistics of the
+        previous one in pieces of this many vocab columns (``None``: in one piece)."""
+        return forward_column_chunk(self.mxu_side, self.vb)
 
     @property
     def column_chunks(self) -> list[int]:

@@ -21,7 +21,7 @@ from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
 from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
-from ce_pallas_tpu.layout import LANES, cdiv, forward_column_chunk, round_up
+from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
 
 
@@ -115,7 +115,7 @@ def make_plan(
         h=tiles.forward.block_h,
         vb=tiles.forward.block_v,
         num_cores=active_cores(target.num_cores, nv_forward),
-        column_chunk=forward_column_chunk(target.facts.mxu_side, tiles.forward.block_v),
+        mxu_side=target.facts.mxu_side,
         **common,
     )
     backward = BackwardConfig(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import KernelConfig
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
-from ce_pallas_tpu.layout import cdiv, forward_column_chunk
+from ce_pallas_tpu.layout import cdiv
 
 
 def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
@@ -31,11 +31,8 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     if tiles is not None:
         b, h, vb = tiles
         b, vb = min(b, n), min(vb, v)
-        target = current_target()
         cfg = dataclasses.replace(cfg, b=b, h=cfg.hp if h is None else h, vb=vb,
-                                  num_cores=active_cores(target.num_cores, cdiv(v, vb)))
-        if isinstance(cfg, ForwardConfig):
-            cfg = dataclasses.replace(cfg, column_chunk=forward_column_chunk(target.facts.mxu_side, cfg.vb))
+                                  num_cores=active_cores(current_target().num_cores, cdiv(v, vb)))
     if w_buffers is not None and kernel == "backward":
         cfg = dataclasses.replace(cfg, w_buffers=w_buffers)
     return cfg
