@@ -42,7 +42,7 @@ PARITY_CASES = [
     ("v5e", (2, 64), 256, 384, "bfloat16", Case(use_weights=True, logsumexp_weight=1e-3), BlockSizes(64, 128, 128)),
     ("v5p", (256,), 128, 640, "bfloat16", Case(), None),
     ("v5e", (37,), 48, 203, "float32", Case(use_weights=True, label_smoothing=0.05), None),
-    # v6e: the pipelined forward step in chunks of 256 vocab columns (2 and 3 per block).
+    # v6e: the streamed forward step in chunks of 256 vocab columns (2 and 3 per block).
     ("v6e", (3, 47), 256, 1700, "bfloat16", Case(reduction="sum", use_weights=True, label_smoothing=0.1),
      BlockSizes(64, None, 512)),
     ("v6e", (100,), 200, 1300, "float32", ALL_FEATURES, BlockSizes(32, None, 768)),
@@ -73,13 +73,13 @@ ROW_STATS_CASES = [
 
 
 @pytest.mark.parametrize("target,blocks,vocab", ROW_STATS_CASES,
-                         ids=["v5e-hidden-blocked", "v5e-pipelined", "v5p-hidden-blocked", "v5p-pipelined",
-                              "v6e-pipelined-in-column-chunks"])
+                         ids=["v5e-hidden-blocked", "v5e-streamed", "v5p-hidden-blocked", "v5p-streamed",
+                              "v6e-streamed-in-column-chunks"])
 def test_row_stats_and_vjp_match_the_reference(interpret, target, blocks, vocab):
     """The backend contract directly: all four statistics and their VJP for arbitrary cotangents.
 
     Labels outside ``[0, V)`` (those of another vocab shard) must give a label logit of 0. Both
-    forward paths run (hidden blocked, and whole hidden with the software-pipelined vocab loop, on
+    forward paths run (hidden blocked, and whole hidden with the streamed per-lane statistics, on
     v6e in chunks of 256 columns); on v5p the vocab is split over two cores, whose expected logits
     are merged by their share of mass.
     """
@@ -103,6 +103,38 @@ def test_row_stats_and_vjp_match_the_reference(interpret, target, blocks, vocab)
     direct = backend.row_stats_vjp(x, w, labels, ours, cotangent, spec)
     for direct_grad, their_grad in zip(direct, their_vjp(cotangent), strict=True):
         np.testing.assert_allclose(direct_grad, their_grad, rtol=1e-4, atol=2e-5)
+    assert not _races_found()
+
+
+@pytest.mark.parametrize("target", ["v6e", "v5p"])
+@pytest.mark.parametrize("jump", [20.0, 100.0])
+def test_streamed_forward_survives_logits_far_above_the_earlier_blocks(interpret, target, jump):
+    """The whole-hidden forward takes a step's exps against each lane's maximum over the earlier blocks.
+
+    Here one column of a middle block lies ``jump`` nats above every earlier logit of its row: 20 stays
+    inside the margin (the step is streamed with terms up to e^20); 100 would overflow float32
+    (e^100), so the step must be redone exactly. Rows whose label is that column check the label pick
+    of the redone step; the vocab is ragged, and split over two cores on v5p.
+    """
+    interpret(target)
+    vocab, spike = 1100, 600  # blocks of 256: the spike is in the third block, a ragged fifth
+    x, labels, w = random_problem(17, (53,), 128, vocab, ignore_fraction=0.0)
+    x, w, labels = x.copy(), w.copy(), labels.copy()
+    x[:, 0] = 1.0  # a constant feature, so that one weight sets the spike column's logit in every row
+    w[0, :] = 0.0
+    w[0, spike] = jump
+    labels[::3] = spike
+    spec = StatsSpec(with_sum=True, with_expected=True, block_sizes=BlockSizes(32, None, 256))
+    x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
+    ours = ce_pallas_tpu.make_backend().row_stats(x, w, labels, spec)
+    logits = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.all(logits[:, spike] - np.delete(logits, spike, axis=1)[:, :512].max(axis=1) > jump - 10)
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    probs = np.exp(logits - lse[:, None])
+    expected = {"lse": lse, "label": logits[np.arange(53), np.asarray(labels)], "sum": logits.sum(1),
+                "expected": (probs * logits).sum(1)}
+    for name, value in expected.items():
+        np.testing.assert_allclose(getattr(ours, name), value, rtol=2e-5, atol=2e-5, err_msg=name)
     assert not _races_found()
 
 

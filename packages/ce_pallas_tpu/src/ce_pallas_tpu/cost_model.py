@@ -62,9 +62,9 @@ class Shape:
 
 def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = True, mxu_side: int = 128) -> int:
     """VMEM the forward kernel needs with token block ``b``, hidden block ``h``, vocab block ``vb``, on a
-    generation with ``mxu_side``-wide MXUs (where the pipelined step may work in column chunks)."""
+    generation with ``mxu_side``-wide MXUs (where the streamed step works in column chunks)."""
     blocked = h < shape.hp
-    # The elementwise temporaries span one column chunk of the pipelined step, or the whole block.
+    # The elementwise temporaries span one column chunk of the streamed step, or the whole block.
     columns = vb if blocked else forward_column_chunk(mxu_side, vb) or vb
     # A single-buffered resident x still costs about half a buffer more (the matmul's operand copy).
     x_buffers = 2 if (blocked or not single_x) else 1.5
@@ -73,9 +73,11 @@ def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = Tru
     total += 2 * _tile(h, vb, shape.w_bytes)
     total += 2 * _tile(b, 1, 4)  # labels
     total += 2 * stats * _tile(b, 1, 4)  # outputs
-    total += (stats + 1) * _tile(b, 1, 4)  # running max, sum, label (, logit sum, weighted sum)
-    # Logit accumulator over hidden blocks, or the two slots of the software-pipelined vocab loop.
-    total += (1 if blocked else 2) * _tile(b, vb, 4)
+    if blocked:
+        # Running max, sum, label (, logit sum, weighted sum) per row; logits summed over hidden blocks.
+        total += (stats + 1) * _tile(b, 1, 4) + _tile(b, vb, 4)
+    else:
+        total += 2 * (stats + 1) * _tile(b, LANES, 4)  # two slots of the same per row and lane
     total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(b, columns, 4)
     return total
 

@@ -9,16 +9,20 @@ Grid ``(cores, token blocks, vocab blocks per core, hidden blocks)``:
 - token blocks are independent (``PARALLEL``); the vocab and hidden axes are reductions
   (``ARBITRARY``), hidden innermost.
 
-A logit tile ``[b, v]`` exists only in VMEM (accumulated over hidden blocks in a VMEM scratch when
-the hidden dimension is blocked). An online logsumexp keeps a running max and sum per row in VMEM
-scratch across vocab blocks (and, for the entropy, the sum of ``exp(z - max) z``, rescaled with the
-sum of exp, whose ratio to it is the expected logit). With the hidden dimension whole (the
-default), the vocab loop is software-pipelined: a step forms the logits of its block in one slot of
-a two-slot scratch while the vector units take the statistics of the previous block from the other
-slot, so the exp/max/sum work overlaps the MXU instead of following it (it costs 0.08-0.13 of a
-step otherwise). On TPUs whose MXUs are 256 wide (v6e, TPU7x), which outpace the vector units
-more, a step does this in chunks of 256 columns (``ForwardConfig.column_chunk``): left whole,
-libtpu's scheduler packs the statistics after the product, where they run alone.
+A logit tile ``[b, v]`` exists only in VMEM. With the hidden dimension blocked, it is accumulated
+over hidden blocks in a VMEM scratch and an online logsumexp keeps a running max and sum per row
+(:func:`ce_pallas_tpu.tile_stats.row_update`). With the hidden dimension whole (the default) the
+step is *streamed*: the statistics are kept per row and lane (``[b, 128]``, each lane seeing every
+128th column) against a reference per lane fixed before the step, the lane's maximum over the
+earlier blocks, so the exps of a column chunk need nothing but that chunk's logits. libtpu's
+scheduler then interleaves the vector and EUP work with the matmul; an online max instead makes
+every exp of a tile wait for the tile's maximum, which the scheduler packs after the product
+(0.05-0.15 of a step). A logit more than ``OVERFLOW_MARGIN`` (30 nats) above its lane's reference
+shows as a lane sum past ``exp(30)``, and the step is redone exactly (the reference moved to the
+maximum first), as are the first block of a row (no reference yet) and a ragged last block. With
+logits of order 1 to 10 only the first block of each row is redone. On TPUs with 256-wide MXUs
+(v6e, TPU7x) the product is formed in chunks of 256 columns (``ForwardConfig.column_chunk``).
+The lanes are reduced to rows once, at the last step.
 
 The soft cap is applied in the kernel; the label logit is picked by comparing a column iota with
 the label (no ``one_hot``, no gather: both fail to lower on v4); vocab columns past ``V`` in a
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import EllipsisType
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ce_core.varying import vary, varying_axes_of
-from ce_pallas_tpu import common
-from ce_pallas_tpu.layout import forward_column_chunk
+from ce_pallas_tpu import common, tile_stats
+from ce_pallas_tpu.layout import LANES, forward_column_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +59,8 @@ class ForwardConfig(common.KernelConfig):
 
     @property
     def column_chunk(self) -> int | None:
-        """With the hidden dimension whole, a step forms its logit tile and takes the statistics of the
-        previous one in pieces of this many vocab columns (``None``: in one piece)."""
+        """With the hidden dimension whole, a step forms its logit tile and takes its statistics in
+        pieces of this many vocab columns (``None``: in one piece)."""
         return forward_column_chunk(self.mxu_side, self.vb)
 
     @property
@@ -64,145 +69,146 @@ class ForwardConfig(common.KernelConfig):
         return list(range(0, self.vb, self.column_chunk or self.vb))
 
 
-def _update(z_raw, start, y, state, cfg: ForwardConfig, *, may_be_last: bool = True):
-    """The online statistics ``(max, sum of exp, label logit, logit sum, weighted sum)`` after one tile.
+def _split_refs(refs, cfg: ForwardConfig):
+    """The kernel's output refs ``(lse, label, sum, expected)`` and statistic scratch refs ``(max or
+    reference, sum of exp, label, logit sum, weighted sum)``, absent ones None, and the other scratch."""
+    out_refs, scratch = list(refs[: cfg.n_stats]), list(refs[cfg.n_stats :])
+    stat_refs = scratch[: cfg.n_stats + 1]
+    outs = (out_refs.pop(0), out_refs.pop(0), out_refs.pop(0) if cfg.with_sum else None,
+            out_refs.pop(0) if cfg.with_expected else None)
+    stats = (stat_refs.pop(0), stat_refs.pop(0), stat_refs.pop(0), stat_refs.pop(0) if cfg.with_sum else None,
+             stat_refs.pop(0) if cfg.with_expected else None)
+    return outs, stats, scratch[cfg.n_stats + 1 :]
 
-    The logit sum and the weighted sum ``sum_j exp(z_j - max) z_j`` (the expected logit times the
-    sum of exp) are ``None`` unless asked for. ``start`` is the global id of the tile's first
-    column; columns at or past ``V`` (garbage in a ragged last block) count for nothing, and labels
-    outside ``[0, V)`` never hit. Pass ``may_be_last=False`` for a tile that is known not to be the
-    ragged last one: it is not masked.
-    """
-    m, sum_exp, label, total, weighted = state
-    z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
-    local = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-    if cfg.v % cfg.vb and may_be_last:
-        valid = local < cfg.v - start
-        z_lse = jnp.where(valid, z, -jnp.inf)
-        z_owned = jnp.where(valid, z, 0.0)
-    else:
-        valid, z_lse, z_owned = None, z, z
-    m_new = jnp.maximum(m, jnp.max(z_lse, axis=1, keepdims=True))
-    rescale = jnp.exp(m - m_new)
-    exps = jnp.exp(z_lse - m_new)
-    sum_exp = sum_exp * rescale + jnp.sum(exps, axis=1, keepdims=True)
-    hit = local == y - start
-    if valid is not None:
-        hit = hit & valid
-    label = label + jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True)
-    if total is not None:
-        total = total + jnp.sum(z_owned, axis=1, keepdims=True)
-    if weighted is not None:
-        weighted = weighted * rescale + jnp.sum(exps * z_owned, axis=1, keepdims=True)
-    return m_new, sum_exp, label, total, weighted
+
+def _write_outputs(outs, rows: tile_stats.State) -> None:
+    """The per-row statistics as the kernel's outputs: lse, label logit, logit sum, expected logit."""
+    lse_ref, label_ref, sum_ref, expected_ref = outs
+    m, sum_exp, label, total, weighted = rows
+    lse_ref[...] = m + jnp.log(sum_exp)
+    label_ref[...] = label
+    if sum_ref is not None and total is not None:
+        sum_ref[...] = total
+    if expected_ref is not None and weighted is not None:
+        expected_ref[...] = weighted / sum_exp
 
 
 def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
-    out_refs, scratch = refs[: cfg.n_stats], refs[cfg.n_stats :]
-    lse_ref, label_ref, *optional_out = out_refs
-    sum_ref = optional_out.pop(0) if cfg.with_sum else None
-    expected_ref = optional_out.pop(0) if cfg.with_expected else None
-    m_sc, l_sc, label_sc, *optional_sc = scratch[: cfg.n_stats + 1]
-    sum_sc = optional_sc.pop(0) if cfg.with_sum else None
-    weighted_sc = optional_sc.pop(0) if cfg.with_expected else None
-    stat_refs = (m_sc, l_sc, label_sc, sum_sc, weighted_sc)
-
-    core, j, k = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    outs, stat_refs, scratch = _split_refs(refs, cfg)
+    core, i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     block = core * cfg.nv_per_core + j  # global vocab block
     last_step = (j == cfg.nv_per_core - 1) & (k == cfg.nh - 1)
     guarded = cfg.nv_per_core * cfg.num_cores != cfg.nv  # the last core may have a block fewer
     in_range = block < cfg.nv if guarded else True
 
-    def read_state():
-        return tuple(None if ref is None else ref[...] for ref in stat_refs)
+    def read_state(at: EllipsisType | jax.Array = ...) -> tile_stats.State:
+        r, sum_exp, label, total, weighted = (None if ref is None else ref[at] for ref in stat_refs)
+        assert r is not None and sum_exp is not None and label is not None
+        return r, sum_exp, label, total, weighted
 
-    def write_state(state):
+    def write_state(state: tile_stats.State, at: EllipsisType | jax.Array = ...) -> None:
         for ref, value in zip(stat_refs, state, strict=True):
-            if ref is not None:
-                ref[...] = value
+            if ref is not None and value is not None:
+                ref[at] = value
 
-    def initial_state():
-        shape = m_sc.shape
+    def initial_state() -> tile_stats.State:
+        shape = stat_refs[0].shape[-2:]
         zeros = jnp.zeros(shape, jnp.float32)
-        return (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, None if sum_sc is None else zeros,
-                None if weighted_sc is None else zeros)
+        return (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, None if stat_refs[3] is None else zeros,
+                None if stat_refs[4] is None else zeros)
 
     if cfg.nh == 1:
-        # Software-pipelined over vocab blocks: step j forms the logits of block j in one slot of
-        # a two-slot VMEM scratch while the vector units take the statistics of block j-1 from
-        # the other, so the exp/max/sum tail overlaps the next matmul instead of following it.
-        # The first step of a token block discards what it took from the stale slot; the last
-        # step also takes its own block (the one tail per token block that is not hidden).
-        z_sc = scratch[-1]
+        # Streamed (see the module docs): per-lane statistics, in two slots, so that a step reads
+        # the previous step's and writes its own before its overflow check is known, and a redo
+        # still finds the state from before the step.
+        (redo_ref,) = scratch
         if cfg.hidden != cfg.hp:
             common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
+        block_start = block * cfg.vb
+        gap = (jnp.broadcast_to(y_ref[...] - block_start, (cfg.b, LANES))
+               - jax.lax.broadcasted_iota(jnp.int32, (cfg.b, LANES), 1))
+        previous, current = (j + 1) % 2, j % 2
 
-        def step(cur: int, prev: int):
-            # Block j-1 is never the ragged last one here: that one is the last of its core, and
-            # is taken by the drain below or, on a core one block short, by the branch after it.
-            # In column chunks, each chunk's product followed in program order by the statistics of
-            # the same columns of block j-1, so libtpu's scheduler interleaves them with the MXU work.
-            taken = read_state()
+        def product(first: int) -> jax.Array:
+            columns = w_ref[:, pl.ds(first, cfg.column_chunk or cfg.vb)]
+            return common.matmul(x_ref[...], columns, cfg.precision)
+
+        # Taken exactly: the first block of a row (no reference yet) and a ragged last block.
+        exact = j == 0
+        if cfg.v % cfg.vb:
+            exact = exact | (block == cfg.nv - 1)
+        redo_ref[0] = exact.astype(jnp.int32)
+
+        def streamed():
+            state = read_state(previous)
             for first in cfg.column_chunks:
-                cols = pl.ds(first, cfg.column_chunk or cfg.vb)
-                z_sc[cur, :, cols] = common.matmul(x_ref[...], w_ref[:, cols], cfg.precision)
-                taken = _update(z_sc[prev, :, cols], (block - 1) * cfg.vb + first, y_ref[...], taken, cfg,
-                                may_be_last=False)
+                state = tile_stats.streamed_lane_update(product(first), gap, state, cfg, first)
+            write_state(state, current)
+            # Compared before reducing, so that NaN rows cannot hide an overflowing one; the garbage
+            # rows of a ragged token block are left out, so they never force a redo.
+            over = state[1] > tile_stats.OVERFLOW_SUM
+            if cfg.n % cfg.b:
+                over = over & (jax.lax.broadcasted_iota(jnp.int32, over.shape, 0) < cfg.n - i * cfg.b)
+            redo_ref[0] = jnp.max(over.astype(jnp.int32))
+
+        if cfg.vb % LANES == 0:  # else the block is the row's only one (vb == V), always taken exactly
+            pl.when(in_range & jnp.logical_not(exact))(streamed)
+
+        @pl.when(in_range & (redo_ref[0] != 0))
+        def _exact():
             fresh = initial_state()
-            write_state(tuple(None if t is None or f is None else jnp.where(j == 0, f, t)
-                              for t, f in zip(taken, fresh, strict=True)))
+            state = fresh if cfg.nv_per_core == 1 else _select_state(j == 0, fresh, read_state(previous))
+            for first in cfg.column_chunks:
+                state = tile_stats.exact_lane_update(product(first), block_start + first, y_ref[...], gap, state,
+                                                     cfg, first)
+            write_state(state, current)
 
-        pl.when((j % 2 == 0) & in_range)(lambda: step(0, 1))
-        pl.when((j % 2 == 1) & in_range)(lambda: step(1, 0))
-        if guarded:  # the last step of a core one block short: only the previous block is left
+        @pl.when(last_step)
+        def _finish():
+            # A core one block short took nothing at its last step: its state is a step older.
+            slot = jnp.where(in_range, current, previous) if guarded else current
+            _write_outputs(outs, tile_stats.lanes_to_rows(read_state(slot)))
 
-            @pl.when(jnp.logical_not(in_range))
-            def _():
-                write_state(_update(z_sc[(j + 1) % 2], (block - 1) * cfg.vb, y_ref[...], read_state(), cfg))
+        return
 
-        drain = last_step & in_range if guarded else last_step
+    (acc_ref,) = scratch
 
-        @pl.when(drain)
+    @pl.when((j == 0) & (k == 0))
+    def _init():
+        write_state(initial_state())
+
+    def accumulate():
+        if cfg.hidden != cfg.hp:
+            pl.when(k == cfg.nh - 1)(lambda: common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp))
+        part = common.matmul(x_ref[...], w_ref[...], cfg.precision)
+
+        @pl.when(k == 0)
         def _():
-            write_state(_update(z_sc[j % 2], block * cfg.vb, y_ref[...], read_state(), cfg))
+            acc_ref[...] = part
 
+        @pl.when(k > 0)
+        def _():
+            acc_ref[...] += part
+
+        @pl.when(k == cfg.nh - 1)
+        def _():
+            write_state(tile_stats.row_update(acc_ref[...], block * cfg.vb, y_ref[...], read_state(), cfg))
+
+    if guarded:
+        pl.when(in_range)(accumulate)
     else:
-        acc_sc = scratch[-1]
+        accumulate()
 
-        @pl.when((j == 0) & (k == 0))
-        def _init():
-            write_state(initial_state())
+    pl.when(last_step)(lambda: _write_outputs(outs, read_state()))
 
-        def accumulate():
-            if cfg.hidden != cfg.hp:
-                pl.when(k == cfg.nh - 1)(lambda: common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp))
-            part = common.matmul(x_ref[...], w_ref[...], cfg.precision)
 
-            @pl.when(k == 0)
-            def _():
-                acc_sc[...] = part
-
-            @pl.when(k > 0)
-            def _():
-                acc_sc[...] += part
-
-            @pl.when(k == cfg.nh - 1)
-            def _():
-                write_state(_update(acc_sc[...], block * cfg.vb, y_ref[...], read_state(), cfg))
-
-        if guarded:
-            pl.when(in_range)(accumulate)
-        else:
-            accumulate()
-
-    @pl.when(last_step)
-    def _finish():
-        lse_ref[...] = m_sc[...] + jnp.log(l_sc[...])
-        label_ref[...] = label_sc[...]
-        if sum_ref is not None and sum_sc is not None:
-            sum_ref[...] = sum_sc[...]
-        if expected_ref is not None and weighted_sc is not None:
-            expected_ref[...] = weighted_sc[...] / l_sc[...]
+def _select_state(pick_first, first: tile_stats.State, second: tile_stats.State) -> tile_stats.State:
+    """``first`` where the (scalar) condition holds, else ``second``, statistic by statistic."""
+    picked = [None if a is None or b is None else jnp.where(pick_first, a, b)
+              for a, b in zip(first, second, strict=True)]
+    r, sum_exp, label, total, weighted = picked
+    assert r is not None and sum_exp is not None and label is not None
+    return r, sum_exp, label, total, weighted
 
 
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig) -> tuple[jax.Array, ...]:
@@ -228,12 +234,14 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     axes = varying_axes_of(x, w, labels)
     x, w, labels = (vary(value, axes) for value in (x, w, labels))
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), jnp.float32, axes)] * num_out
-    # Running max, running sum of exp, label logit (, logit sum)(, weighted sum) per row.
-    scratch = [pltpu.VMEM((cfg.b, 1), jnp.float32)] * (cfg.n_stats + 1)
+    # Running max (streamed: reference), sum of exp, label logit (, logit sum)(, weighted sum), per
+    # row, or per row and lane when streamed.
     if cfg.nh > 1:
+        scratch = [pltpu.VMEM((cfg.b, 1), jnp.float32)] * (cfg.n_stats + 1)
         scratch.append(pltpu.VMEM((cfg.b, cfg.vb), jnp.float32))  # logits summed over hidden blocks
     else:
-        scratch.append(pltpu.VMEM((2, cfg.b, cfg.vb), jnp.float32))  # two slots of logits
+        scratch = [pltpu.VMEM((2, cfg.b, LANES), jnp.float32)] * (cfg.n_stats + 1)
+        scratch.append(pltpu.SMEM((1,), jnp.int32))  # whether this step is taken exactly
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg),
         grid=(cfg.num_cores, cfg.nb, nvc, cfg.nh),

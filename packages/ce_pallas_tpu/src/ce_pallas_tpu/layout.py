@@ -19,12 +19,12 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def forward_column_chunk(mxu_side: int, block_v: int) -> int | None:
-    """Vocab columns per piece of the forward's pipelined step (``None``: the whole block at once).
+    """Vocab columns per piece of the forward's streamed step (``None``: the whole block at once).
 
-    One MXU width where the MXUs are 256 wide (v6e, TPU7x) and the block spans several: the step's
-    product and the previous block's statistics then alternate in program order, which libtpu's
-    scheduler interleaves (v6e at Llama-3 8B's head: 1.124 -> 1.099 of the MXU minimum per step,
-    measured with ``ce-bench schedule``). On 128-wide MXUs the whole block is left as it was.
+    One MXU width where the MXUs are 256 wide (v6e, TPU7x) and the block spans several: each piece's
+    product is followed in program order by its statistics, which libtpu's scheduler interleaves with
+    the next piece's product. On 128-wide MXUs (v4, v5e, v5p) the whole block is left as it is
+    (128-column pieces measured the same on v5e).
     """
     if mxu_side < 256 or block_v <= mxu_side or block_v % mxu_side:
         return None

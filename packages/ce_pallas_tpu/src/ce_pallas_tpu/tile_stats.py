@@ -1,0 +1,163 @@
+"""The online statistics of one logit tile, per row or per lane of a row (traced inside the forward).
+
+A row's statistics are ``(max, sum of exp, label logit, logit sum, weighted sum)``: the lse is
+``max + log(sum)``, and the weighted sum ``sum_j exp(z_j - max) z_j`` over the sum of exp is the
+expected logit (for the entropy); the logit sum and weighted sum are ``None`` unless asked for.
+
+Per row (``[b, 1]``, :func:`row_update`) each tile's maximum is reduced across lanes before its exps.
+Per lane (``[b, 128]``) each lane keeps its own reference in place of the maximum, and a tile's
+columns are folded in 128 at a time without crossing lanes; :func:`streamed_lane_update` takes the
+exps against the reference as it stands, so they need nothing from the rest of the tile and can
+follow the MXU's output, and :func:`exact_lane_update` first moves the reference up to the tile's
+maximum. :func:`lanes_to_rows` reduces the lanes at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ce_pallas_tpu import common
+from ce_pallas_tpu.common import KernelConfig
+from ce_pallas_tpu.layout import LANES
+
+#: ``(max or reference, sum of exp, label logit, logit sum or None, weighted sum or None)``.
+State = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None]
+
+#: How far (in nats) a logit may rise above its lane's reference in a streamed step: a lane's sum of
+#: exp then stays below ``exp(OVERFLOW_MARGIN)``, far inside float32 even times the logits (the
+#: weighted sum). A step whose sums pass :data:`OVERFLOW_SUM` is redone with :func:`exact_lane_update`.
+OVERFLOW_MARGIN = 30.0
+OVERFLOW_SUM = math.exp(OVERFLOW_MARGIN)
+
+
+def row_update(z_raw: jax.Array, start, y: jax.Array, state: State, cfg: KernelConfig) -> State:
+    """The per-row statistics ``[b, 1]`` after one tile ``[b, c]`` of raw logits.
+
+    ``start`` is the global id of the tile's first column; columns at or past ``V`` (garbage in a
+    ragged last block) count for nothing, and labels ``y`` ``[b, 1]`` outside ``[0, V)`` never hit.
+    """
+    m, sum_exp, label, total, weighted = state
+    z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
+    local = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    if cfg.v % cfg.vb:
+        valid = local < cfg.v - start
+        z_lse = jnp.where(valid, z, -jnp.inf)
+        z_owned = jnp.where(valid, z, 0.0)
+    else:
+        valid, z_lse, z_owned = None, z, z
+    m_new = jnp.maximum(m, jnp.max(z_lse, axis=1, keepdims=True))
+    rescale = jnp.exp(m - m_new)
+    exps = jnp.exp(z_lse - m_new)
+    sum_exp = sum_exp * rescale + jnp.sum(exps, axis=1, keepdims=True)
+    hit = local == y - start
+    if valid is not None:
+        hit = hit & valid
+    label = label + jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True)
+    if total is not None:
+        total = total + jnp.sum(z_owned, axis=1, keepdims=True)
+    if weighted is not None:
+        weighted = weighted * rescale + jnp.sum(exps * z_owned, axis=1, keepdims=True)
+    return m_new, sum_exp, label, total, weighted
+
+
+def _lane_groups(z: jax.Array):
+    """The tile's 128-wide column groups ``(offset, [b, 128] slice)``: each adds one column per lane."""
+    for g in range(0, z.shape[1], LANES):
+        yield g, z[:, g:g + LANES]
+
+
+def streamed_lane_update(z_raw: jax.Array, gap: jax.Array, state: State, cfg: KernelConfig, first: int) -> State:
+    """The per-lane statistics ``[b, 128]`` after one tile that is not a ragged last one, its exps
+    taken against each lane's reference as it stands (the reference is returned unchanged).
+
+    The tile starts at column ``first`` of its vocab block, and ``gap`` is ``label - (the block's first
+    global column) - lane``: a column group at offset ``g`` of the block holds a row's label in the
+    lane where ``gap == g``. The caller checks the sums against :data:`OVERFLOW_SUM` afterwards.
+    """
+    r, sum_exp, label, total, weighted = state
+    z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
+    for g, zg in _lane_groups(z):
+        e = jnp.exp(zg - r)
+        sum_exp = sum_exp + e
+        label = jnp.where(gap == first + g, zg, label)
+        if total is not None:
+            total = total + zg
+        if weighted is not None:
+            weighted = weighted + e * zg
+    return r, sum_exp, label, total, weighted
+
+
+def exact_lane_update(z_raw: jax.Array, start, y: jax.Array, gap: jax.Array, state: State, cfg: KernelConfig,
+                      first: int) -> State:
+    """The per-lane statistics after one tile, each lane's reference first moved up to its maximum
+    (the sums rescaled to it), so no exp exceeds 1. ``start`` is the tile's first global column:
+    columns at or past ``V`` count for nothing. ``y``: the labels ``[b, 1]``; the rest as in
+    :func:`streamed_lane_update`.
+    """
+    lane = jax.lax.broadcasted_iota(jnp.int32, (z_raw.shape[0], LANES), 1)
+    if z_raw.shape[1] % LANES:
+        # A block not a multiple of 128 wide is the row's only one (vb == V), so the state is the
+        # initial one: take the row's statistics whole and put them in lane 0.
+        rows = row_update(z_raw, start, y, _lane_zero(state), cfg)
+        return _put_in_lane_zero(rows, state, lane)
+    r, sum_exp, label, total, weighted = state
+    z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
+    groups = []
+    for g, zg in _lane_groups(z):
+        valid = lane < cfg.v - start - g if cfg.v % cfg.vb else None
+        groups.append((g, zg, valid, zg if valid is None else jnp.where(valid, zg, -jnp.inf)))
+    r_new = r
+    for _, _, _, z_lse in groups:
+        r_new = jnp.maximum(r_new, z_lse)
+    # A lane without a column so far stays at -inf with sums of 0 (exp(-inf - -inf) would be NaN).
+    rescale = jnp.exp(jnp.where(r == r_new, 0.0, r - r_new))
+    sum_exp = sum_exp * rescale
+    if weighted is not None:
+        weighted = weighted * rescale
+    for g, zg, valid, z_lse in groups:
+        e = jnp.exp(z_lse - r_new)
+        hit = gap == first + g
+        if valid is not None:
+            e, hit, zg_owned = jnp.where(valid, e, 0.0), hit & valid, jnp.where(valid, zg, 0.0)
+        else:
+            zg_owned = zg
+        sum_exp = sum_exp + e
+        label = jnp.where(hit, zg, label)
+        if total is not None:
+            total = total + zg_owned
+        if weighted is not None:
+            weighted = weighted + e * zg_owned
+    return r_new, sum_exp, label, total, weighted
+
+
+def _lane_zero(state: State) -> State:
+    r, sum_exp, label, total, weighted = state
+    return (r[:, :1], sum_exp[:, :1], label[:, :1], None if total is None else total[:, :1],
+            None if weighted is None else weighted[:, :1])
+
+
+def _put_in_lane_zero(rows: State, lanes: State, lane: jax.Array) -> State:
+    def put(row: jax.Array, value: jax.Array) -> jax.Array:
+        return jnp.where(lane == 0, row, value)
+
+    def put_optional(row: jax.Array | None, value: jax.Array | None) -> jax.Array | None:
+        return None if row is None or value is None else put(row, value)
+
+    return (put(rows[0], lanes[0]), put(rows[1], lanes[1]), put(rows[2], lanes[2]),
+            put_optional(rows[3], lanes[3]), put_optional(rows[4], lanes[4]))
+
+
+def lanes_to_rows(state: State) -> State:
+    """Per-lane statistics ``[b, 128]`` as per-row ones ``[b, 1]``: the reference becomes the row max."""
+    r, sum_exp, label, total, weighted = state
+    m = jnp.max(r, axis=1, keepdims=True)
+    share = jnp.where(r == -jnp.inf, 0.0, jnp.exp(r - m))  # a lane that never saw a column has sums of 0
+
+    def rows(value: jax.Array) -> jax.Array:
+        return jnp.sum(value, axis=1, keepdims=True)
+
+    return (m, rows(sum_exp * share), rows(label), None if total is None else rows(total),
+            None if weighted is None else rows(weighted * share))
