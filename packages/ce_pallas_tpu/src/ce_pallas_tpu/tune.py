@@ -8,7 +8,8 @@ For one generation, one shape bucket (at the bucket's example shape, bfloat16) a
    footprint by the VMEM model (:mod:`ce_pallas_tpu.cost_model`) is within reach. The model
    over-estimates, so it only prefilters (:data:`VMEM_PREFILTER_SLACK`); libtpu's compile decides.
    Ranked: comfortably compute-bound (HBM under :data:`HBM_COMFORT` of MXU time) with a step long
-   enough to hide the per-step cost (:data:`MIN_STEP_CYCLES`) first, then the smallest footprint;
+   enough to hide the per-step cost (:data:`MIN_STEP_CYCLES`) first, then (forward) the longest
+   step up to :data:`FORWARD_LONG_STEP`, then the smallest footprint;
 2. each candidate is compiled alone at full size for the generation; a backward one with two
    ``w``/``dw`` buffers first, then with one. What libtpu refuses (VMEM) is dropped;
 3. the first ``max_candidates`` that compile are measured by :func:`ce_pallas_tpu.schedule.measure`;
@@ -42,6 +43,9 @@ HBM_SHARE = 0.8
 #: ...and candidates under this share, with at least this many MXU cycles per step, come first.
 HBM_COMFORT = 0.6
 MIN_STEP_CYCLES = 16384
+#: The streamed forward's per-step cost (its per-lane state, the overflow check) is paid per token
+#: row, so longer steps hide it better: up to this many MXU cycles per step, longer ranks first.
+FORWARD_LONG_STEP = 65536
 FORWARD_TOKENS = (256, 512, 1024, 2048)
 FORWARD_COLUMNS = (256, 512, 1024, 2048)
 BACKWARD_TOKENS = (128, 256, 512, 1024)
@@ -75,11 +79,12 @@ def _prefilter_bytes(generation: str) -> float:
     return vmem_limit(Target(generation, CHIP_FACTS[generation].num_cores, None)) * VMEM_PREFILTER_SLACK
 
 
-def _rank(hbm_share: float, cycles: float, need: int, *, few_rows: bool = False) -> tuple[bool, bool, int]:
-    return (few_rows, hbm_share > HBM_COMFORT or cycles < MIN_STEP_CYCLES, need)
+def _rank(hbm_share: float, cycles: float, need: int, *, few_rows: bool = False,
+          long_step: float = 0) -> tuple[bool, bool, float, int]:
+    return (few_rows, hbm_share > HBM_COMFORT or cycles < MIN_STEP_CYCLES, -min(cycles, long_step), need)
 
 
-def _ranked(options: list[tuple[tuple[bool, bool, int], KernelTiles]]) -> list[KernelTiles]:
+def _ranked(options: list[tuple[tuple[bool, bool, float, int], KernelTiles]]) -> list[KernelTiles]:
     return list(dict.fromkeys(tiles for _, tiles in sorted(options, key=lambda item: item[0])))
 
 
@@ -95,7 +100,8 @@ def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
         hbm_s = shape.hp * vb * shape.w_bytes / chip.hbm_bytes_per_s  # the w block; x stays resident
         need = forward_bytes(shape, b, shape.hp, vb, mxu_side=CHIP_FACTS[generation].mxu_side)
         if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
-            options.append((_rank(hbm_s / mxu_s, cycles, need), KernelTiles(b, None, vb)))
+            rank = _rank(hbm_s / mxu_s, cycles, need, long_step=FORWARD_LONG_STEP)
+            options.append((rank, KernelTiles(b, None, vb)))
     return _ranked(options)
 
 
