@@ -117,3 +117,23 @@ def test_candidates_are_compute_bound_by_the_analytic_model_and_fit_the_prefilte
     for tiles in backward:
         mxu_s = mxu_cycles(generation, "backward", tiles.block_b, problem.hp, tiles.block_v) / chip.clock_hz
         assert tiles.block_b * problem.hp * 10 / chip.hbm_bytes_per_s <= tune.HBM_SHARE * mxu_s
+
+
+@pytest.mark.parametrize("generation", tune.GENERATIONS[1:])
+@pytest.mark.parametrize("bucket", ["llama3", "huge_batch"])
+def test_forward_candidates_rank_longer_steps_first(generation, bucket):
+    """Among the comfortably compute-bound forward candidates, the MXU cycles per step (counted up to
+    ``FORWARD_LONG_STEP``) never grow down the list: the streamed forward's per-step cost is per row."""
+    problem = tiling.bucket_example(bucket)
+    chip = SCHEDULE_CHIPS[generation]
+
+    def comfortable_and_capped(tiles):
+        cycles = mxu_cycles(generation, "forward", tiles.block_b, problem.hp, tiles.block_v)
+        hbm_share = problem.hp * tiles.block_v * 2 / chip.hbm_bytes_per_s / (cycles / chip.clock_hz)
+        comfortable = hbm_share <= tune.HBM_COMFORT and cycles >= tune.MIN_STEP_CYCLES
+        return comfortable, min(cycles, tune.FORWARD_LONG_STEP)
+
+    ranked = [comfortable_and_capped(tiles) for tiles in tune.forward_candidates(problem, generation)]
+    comfortable = [capped for is_comfortable, capped in ranked if is_comfortable]
+    assert comfortable and ranked[: len(comfortable)] == [(True, capped) for capped in comfortable]
+    assert comfortable == sorted(comfortable, reverse=True)
