@@ -157,7 +157,7 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         @pl.when(in_range & (redo_ref[0] != 0))
         def _exact():
             fresh = initial_state()
-            state = fresh if cfg.nv_per_core == 1 else _select_state(j == 0, fresh, read_state(previous))
+            state = fresh if cfg.nv_per_core == 1 else tile_stats.select(j == 0, fresh, read_state(previous))
             for first in cfg.column_chunks:
                 state = tile_stats.exact_lane_update(product(first), block_start + first, y_ref[...], gap, state,
                                                      cfg, first)
@@ -200,15 +200,6 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         accumulate()
 
     pl.when(last_step)(lambda: _write_outputs(outs, read_state()))
-
-
-def _select_state(pick_first, first: tile_stats.State, second: tile_stats.State) -> tile_stats.State:
-    """``first`` where the (scalar) condition holds, else ``second``, statistic by statistic."""
-    picked = [None if a is None or b is None else jnp.where(pick_first, a, b)
-              for a, b in zip(first, second, strict=True)]
-    r, sum_exp, label, total, weighted = picked
-    assert r is not None and sum_exp is not None and label is not None
-    return r, sum_exp, label, total, weighted
 
 
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig) -> tuple[jax.Array, ...]:

@@ -101,8 +101,7 @@ def exact_lane_update(z_raw: jax.Array, start, y: jax.Array, gap: jax.Array, sta
     if z_raw.shape[1] % LANES:
         # A block not a multiple of 128 wide is the row's only one (vb == V), so the state is the
         # initial one: take the row's statistics whole and put them in lane 0.
-        rows = row_update(z_raw, start, y, _lane_zero(state), cfg)
-        return _put_in_lane_zero(rows, state, lane)
+        return select(lane == 0, row_update(z_raw, start, y, _lane_zero(state), cfg), state)
     r, sum_exp, label, total, weighted = state
     z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
     groups = []
@@ -139,15 +138,17 @@ def _lane_zero(state: State) -> State:
             None if weighted is None else weighted[:, :1])
 
 
-def _put_in_lane_zero(rows: State, lanes: State, lane: jax.Array) -> State:
-    def put(row: jax.Array, value: jax.Array) -> jax.Array:
-        return jnp.where(lane == 0, row, value)
+def select(condition, if_true: State, if_false: State) -> State:
+    """``jnp.where(condition, ...)`` statistic by statistic (absent ones stay None); broadcasts."""
 
-    def put_optional(row: jax.Array | None, value: jax.Array | None) -> jax.Array | None:
-        return None if row is None or value is None else put(row, value)
+    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.where(condition, a, b)
 
-    return (put(rows[0], lanes[0]), put(rows[1], lanes[1]), put(rows[2], lanes[2]),
-            put_optional(rows[3], lanes[3]), put_optional(rows[4], lanes[4]))
+    def pick_optional(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
+        return None if a is None or b is None else pick(a, b)
+
+    return (pick(if_true[0], if_false[0]), pick(if_true[1], if_false[1]), pick(if_true[2], if_false[2]),
+            pick_optional(if_true[3], if_false[3]), pick_optional(if_true[4], if_false[4]))
 
 
 def lanes_to_rows(state: State) -> State:
