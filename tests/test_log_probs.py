@@ -132,36 +132,35 @@ def test_bad_options_of_log_probs():
 # --- vocab parallel ----------------------------------------------------------------------------
 
 
-def mesh_devices(backend_name, monkeypatch, mode="explicit"):
+def mesh_devices(backend_name):
     """Devices for the mesh tests: 8, or 4 for pallas_tpu in interpret mode, as in
-    tests/test_sharded_step.py (the race-checked TPU interpreter hangs on 8 simulated devices), whose
-    Auto-axes calls run the generic interpreter (the TPU one cannot run under custom_partitioning)."""
+    tests/test_sharded_step.py (the race-checked TPU interpreter hangs on 8 simulated devices)."""
     if backend_name == "pallas_tpu" and os.environ.get("CE_PALLAS_TPU_INTERPRET"):
-        if mode == "auto":
-            monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "plain")
         return 4
     return 8
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
-def test_entropy_over_a_vocab_split_mesh_matches_the_unsharded_call(backend_name, mode, monkeypatch):
-    devices = mesh_devices(backend_name, monkeypatch, mode)
+@pytest.mark.parametrize("mode", ["explicit", "auto", "auto_stated"])
+def test_entropy_over_a_vocab_split_mesh_matches_the_unsharded_call(backend_name, mode):
+    """Explicit axes, Auto axes with the default layout, and Auto axes with the caller's layout stated."""
+    devices = mesh_devices(backend_name)
     axis_type = jax.sharding.AxisType.Explicit if mode == "explicit" else jax.sharding.AxisType.Auto
     mesh = jax.make_mesh((2, devices // 2), ("data", "model"), axis_types=(axis_type,) * 2,
                          devices=jax.devices("cpu")[:devices])
     x, labels, w = random_problem(9, (4, 6), 48, 320, ignore_fraction=0.2)
+    specs = (P("data", None, None), P(None, "model")) if mode == "auto_stated" else None
 
     def sharded_fn(x_, y_, w_, **options):
         x_ = jax.device_put(x_, NamedSharding(mesh, P("data", None, None)))
         w_ = jax.device_put(w_, NamedSharding(mesh, P(None, "model")))
-        return linear_log_probs(x_, y_, w_, implementation=backend_name, **options)
+        return linear_log_probs(x_, y_, w_, implementation=backend_name, in_specs=specs, **options)
 
     with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
         check_log_probs(backend_name, x, labels, w, fn=sharded_fn, temperature=0.8, logit_soft_cap=3.0)
 
 
-def test_entropy_inside_a_users_shard_map_with_vocab_axis_name(backend_name, monkeypatch):
-    devices = mesh_devices(backend_name, monkeypatch)
+def test_entropy_inside_a_users_shard_map_with_vocab_axis_name(backend_name):
+    devices = mesh_devices(backend_name)
     mesh = jax.make_mesh((1, devices), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
                          devices=jax.devices("cpu")[:devices])
     x, labels, w = random_problem(10, (12,), 16, 80)

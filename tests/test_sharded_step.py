@@ -2,9 +2,12 @@
 
 Meshes come from ``jax.make_mesh`` as users make them: Explicit axes (its default, with
 ``jax.set_mesh``) and Auto axes (GSPMD/Shardy: ``NamedSharding`` inputs, with or without
-``jax.set_mesh``). For each layout of ``x`` and ``w`` the value and both gradients must match the
-float64 oracle, the gradients must come back laid out like their inputs, and the compiled program
-must gather nothing but ``w`` where the caller's FSDP layout asks for it.
+``jax.set_mesh``, with or without the layout stated in ``in_specs``). Every mode runs the same
+mechanism a TPU runs (``jax.shard_map`` over a layout fixed at trace time). For each layout of ``x``
+and ``w`` the value and both gradients must match the float64 oracle. Where the layout is known
+(Explicit types, or stated), the gradients must come back laid out like their inputs and the
+compiled program must gather nothing but ``w`` where the caller's FSDP layout asks for it; under the
+Auto-axes default it may gather ``w`` and hand ``dx`` back to the caller's layout, never more.
 """
 
 from __future__ import annotations
@@ -23,15 +26,19 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ce_core import FallbackWarning, UnsupportedError, linear_cross_entropy
-from ce_core.placement import spec_entries
+from ce_core import linear_cross_entropy
+from ce_core.placement import axes_of, spec_entries
 from ce_core.testing import max_rel_error, oracle, random_problem
 
 #: The backend_name tests run on 8 simulated devices; interpreted pallas_tpu is covered by the
 #: 4-device tests below instead (see tests/conftest.py).
 EIGHT_DEVICE_MESHES = True
-MODES = ("explicit", "auto", "auto_set_mesh")
-H, V = 48, 320
+#: explicit: jax.set_mesh of Explicit axes; auto: NamedSharding inputs of Auto axes, the default layout;
+#: auto_set_mesh: the same inside jax.set_mesh; auto_stated: Auto axes with in_specs = the caller's layout.
+MODES = ("explicit", "auto", "auto_set_mesh", "auto_stated")
+#: The modes whose layout is the caller's own (read from the types, or stated).
+CALLERS_LAYOUT = ("explicit", "auto_stated")
+H, V = 40, 320  # H / 2 differs from every token count here, so a gathered piece of w is told apart
 #: layout name -> (spec of x [batch, seq, H], spec of w [H, V], w's all-gathered shape or None)
 LAYOUTS = {
     "data": (P("data", None, None), P(None, None), None),
@@ -63,8 +70,33 @@ def make_mesh(mode: str, shape: tuple[int, int] = (2, 4)):
 
 
 def entered(mode: str, mesh):
-    """``jax.set_mesh(mesh)`` except in plain GSPMD mode, where the shardings ride on the inputs alone."""
-    return contextlib.nullcontext() if mode == "auto" else jax.set_mesh(mesh)
+    """``jax.set_mesh(mesh)`` except in plain GSPMD modes, where the shardings ride on the inputs alone."""
+    return contextlib.nullcontext() if mode in ("auto", "auto_stated") else jax.set_mesh(mesh)
+
+
+def stated_specs(mode: str, x_spec: P, w_spec: P) -> tuple[P, P] | None:
+    """The ``in_specs`` of ``mode``: the caller's layout where the mode states it."""
+    return (x_spec, w_spec) if mode == "auto_stated" else None
+
+
+def gathers_beyond(hlo: str, local_x: tuple[int, ...], w_shape: tuple[int, int]) -> list[tuple[int, ...]]:
+    """All-gathers other than of the whole ``w`` and of x-like arrays no larger than the caller's shard.
+
+    Under the Auto-axes default the compiler may gather ``w`` (once) and gather ``dx`` over the axes
+    the caller's layout leaves whole (back to ``local_x``); a gather of more tokens than a device of
+    the caller holds, of the labels beyond that, or of a ``[tokens, V]`` block is a failure.
+    """
+    def allowed(dims: tuple[int, ...]) -> bool:
+        if len(dims) == 2 and all(whole % part == 0 for whole, part in zip(w_shape, dims, strict=True)):
+            return True  # w, or a step towards it (gathered over one axis, then the other)
+        return dims[-1:] == local_x[-1:] and math.prod(dims) <= math.prod(local_x)
+
+    return [dims for dims in all_gathers(hlo) if not allowed(dims)]
+
+
+def local_shape(shape: tuple[int, ...], spec: P, mesh) -> tuple[int, ...]:
+    entries = spec_entries(spec, len(shape))
+    return tuple(size // math.prod(mesh.shape[a] for a in axes_of(e)) for size, e in zip(shape, entries, strict=True))
 
 
 def all_gathers(hlo: str) -> list[tuple[int, ...]]:
@@ -98,14 +130,21 @@ def assert_matches_oracle(loss, dx, dw, expected, tol=(1e-5, 1e-4)):
 def test_plain_call_follows_the_callers_layout(backend_name, mode, layout):
     x_spec, w_spec, gathered_w = LAYOUTS[layout]
     x, labels, w = random_problem(0, (4, 6), H, V)
-    loss_fn = lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend_name, **OPTIONS)  # noqa: E731
-    loss, dx, dw, hlo = value_grads_and_hlo(mode, make_mesh(mode), loss_fn, x, w, x_spec, w_spec)
+    specs = stated_specs(mode, x_spec, w_spec)
+    def loss_fn(x_, w_):
+        return linear_cross_entropy(x_, labels, w_, implementation=backend_name, in_specs=specs, **OPTIONS)
+
+    mesh = make_mesh(mode)
+    loss, dx, dw, hlo = value_grads_and_hlo(mode, mesh, loss_fn, x, w, x_spec, w_spec)
 
     assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
-    assert same_layout(dx, x_spec), (dx.sharding, x_spec)
-    assert same_layout(dw, w_spec), (dw.sharding, w_spec)
-    # Nothing gathered but w, and w only where the caller's layout splits it over H (FSDP).
-    assert all_gathers(hlo) == ([gathered_w] if gathered_w else []), all_gathers(hlo)
+    if mode in CALLERS_LAYOUT:
+        assert same_layout(dx, x_spec), (dx.sharding, x_spec)
+        assert same_layout(dw, w_spec), (dw.sharding, w_spec)
+        # Nothing gathered but w, and w only where the caller's layout splits it over H (FSDP).
+        assert all_gathers(hlo) == ([gathered_w] if gathered_w else []), all_gathers(hlo)
+    else:
+        assert gathers_beyond(hlo, local_shape(x.shape, x_spec, mesh), (H, V)) == [], all_gathers(hlo)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -114,9 +153,11 @@ def test_per_token_losses_and_lse_stay_split_like_the_labels(backend_name, mode)
     x, labels, w = random_problem(1, (4, 6), H, V)
     cotangent = np.random.default_rng(1).standard_normal(labels.shape).astype(np.float32)
 
+    specs = stated_specs(mode, P("data", None, None), P(None, "model"))
+
     def objective(x_, w_):
         losses, lse = linear_cross_entropy(x_, labels, w_, reduction="none", return_lse=True,
-                                           implementation=backend_name, **OPTIONS)
+                                           implementation=backend_name, **OPTIONS, in_specs=specs)
         return jnp.sum(losses * cotangent), (losses, lse)
 
     with entered(mode, mesh):
@@ -126,18 +167,21 @@ def test_per_token_losses_and_lse_stay_split_like_the_labels(backend_name, mode)
     expected = oracle(x, labels, w, reduction="none", cotangent=cotangent, **OPTIONS)
     assert_matches_oracle(losses, dx, dw, expected)
     assert max_rel_error(lse, expected["lse"]) < 1e-6
-    assert same_layout(losses, P("data", None)) and same_layout(lse, P("data", None))
+    if mode in CALLERS_LAYOUT:
+        assert same_layout(losses, P("data", None)) and same_layout(lse, P("data", None))
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_eager_calls_on_sharded_arrays(backend_name, mode):
     mesh = make_mesh(mode)
     x, labels, w = random_problem(2, (4, 6), H, V)
+    specs = stated_specs(mode, P("data", None, None), P(None, "model"))
     with entered(mode, mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
         ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
         loss, (dx, dw) = jax.value_and_grad(
-            lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend_name), argnums=(0, 1))(xs, ws)
+            lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend_name, in_specs=specs),
+            argnums=(0, 1))(xs, ws)
     assert_matches_oracle(loss, dx, dw, oracle(x, labels, w))
 
 
@@ -146,12 +190,15 @@ def test_a_one_device_mesh(backend_name, mode):
     """Explicit axes of size 1 still type arrays as split along them; the call must not trip on that."""
     mesh = make_mesh(mode, (1, 1))
     x, labels, w = random_problem(9, (4, 6), H, V)
-    loss_fn = lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend_name, **OPTIONS)  # noqa: E731
+    specs = stated_specs(mode, P("data", None, None), P(None, "model"))
+    def loss_fn(x_, w_):
+        return linear_cross_entropy(x_, labels, w_, implementation=backend_name, in_specs=specs, **OPTIONS)
+
     loss, dx, dw, _ = value_grads_and_hlo(mode, mesh, loss_fn, x, w, P("data", None, None), P(None, "model"))
     assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
 
 def test_automatic_sharding_of_tokens_and_vocab_that_do_not_divide_evenly(backend_name):
-    """GSPMD pads the last token shard (its rows must add nothing); an uneven vocab is gathered, with a warning."""
+    """The Auto-axes default pads the tokens to the 8 shards (padding adds nothing) and runs w whole."""
     mesh = make_mesh("auto")
     x, labels, w = random_problem(3, (25,), H, V + 2)
 
@@ -160,16 +207,46 @@ def test_automatic_sharding_of_tokens_and_vocab_that_do_not_divide_evenly(backen
         w_ = jax.lax.with_sharding_constraint(w_, NamedSharding(mesh, P(None, "model")))
         return linear_cross_entropy(x_, labels, w_, implementation=backend_name, **OPTIONS)
 
-    with pytest.warns(UserWarning, match=r"V=322 does not divide evenly over its 4 shards"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         loss, (dx, dw) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(x, w)
     assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
+
+    def per_token(x_):
+        x_ = jax.lax.with_sharding_constraint(x_, NamedSharding(mesh, P("data", None)))
+        return linear_cross_entropy(x_, labels, w, reduction="none", implementation=backend_name)
+
+    losses = jax.jit(per_token)(x)
+    assert losses.shape == (25,)
+    assert max_rel_error(losses, oracle(x, labels, w, reduction="none")["loss"]) < 1e-5
+
+
+def test_stated_layouts_that_do_not_fit_the_mesh_are_refused_by_name():
+    mesh = make_mesh("auto")
+    x, labels, w = random_problem(3, (25,), H, V + 2)
+    xs = jax.device_put(x[:20], NamedSharding(mesh, P("data", None)))
+    labels = labels[:20]
+    cases = [
+        ((P(("data", "model"), None), P(None, None)), r"in_specs: x's dimension 0 \(size 20.*8 shards"),
+        ((P(None, None), P(None, "model")), r"in_specs: w's vocab V=322.*4 shards"),
+        ((P("batch", None), P(None, None)), r"names axis 'batch', which the mesh lacks"),
+        ((P(("data", "data"), None), P()), r"uses a mesh axis twice"),
+        ((P("data", None, None), P()), r"more entries than x has dimensions"),
+        (P("data", None), r"must be a pair \(x_spec, w_spec\)"),
+    ]
+    for in_specs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            jax.jit(lambda x_, s=in_specs: linear_cross_entropy(x_, labels, w, in_specs=s)).lower(xs)
+    with pytest.raises(ValueError, match=r"no mesh is visible"):
+        linear_cross_entropy(x[:20], labels, w, in_specs=(P("data", None), P()))
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_vmap_and_checkpoint_inside_a_sharded_step(backend_name, mode):
     mesh = make_mesh(mode)
     x, labels, w = random_problem(4, (2, 4, 6), H, V)  # vmapped over the first axis: per-example gradients
-    per_example = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, implementation=backend_name)  # noqa: E731
+    specs = stated_specs(mode, P("data", None, None), P(None, "model"))
+    per_example = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, implementation=backend_name, in_specs=specs)  # noqa: E731
     grads = jax.vmap(jax.grad(jax.checkpoint(per_example), argnums=(0, 2)), in_axes=(0, 0, None))
     assert_per_example_gradients(mode, mesh, grads, x, labels, w)
 
@@ -191,28 +268,32 @@ def assert_per_example_gradients(mode, mesh, grads, x, labels, w):
 @pytest.mark.parametrize("layout", ["data_x_vocab", "fsdp"])
 @pytest.mark.parametrize("mode", MODES)
 def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
-    """Explicit axes run the race-checked TPU interpreter per shard; Auto axes the plain one (see ce_pallas_tpu)."""
+    """Every mode runs the race-checked TPU interpreter per shard: the shard_map a TPU runs."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
     from ce_pallas_tpu import ops
     from ce_pallas_tpu.forward import forward_call
 
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
-    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1" if mode == "explicit" else "plain")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
+    jax.clear_caches()  # the default layout of another case may have traced these very kernels
     calls = []
     original = forward_call  # what ops calls, until patched here
     monkeypatch.setattr(ops, "forward_call", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
     x_spec, w_spec, _ = LAYOUTS[layout]
     x, labels, w = random_problem(5, (4, 6), 128, 512)
-    loss_fn = lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", **OPTIONS)  # noqa: E731
+    specs = stated_specs(mode, x_spec, w_spec)
+    def loss_fn(x_, w_):
+        return linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", in_specs=specs, **OPTIONS)
+
     loss, dx, dw, _ = value_grads_and_hlo(mode, make_mesh(mode, (2, 2)), loss_fn, x, w, x_spec, w_spec)
 
-    # The kernels ran per shard, on 12 of the 24 tokens (custom_partitioning also traces its whole,
-    # unpartitioned body once, for the output types; that one is never compiled on 4 devices).
-    per_shard = [shape for shape in calls if shape == (12, 128)]
-    assert per_shard and len(per_shard) >= len(calls) - (mode != "explicit"), calls
+    # The kernels ran per shard only: on 12 of the 24 tokens in the caller's layout (x split over
+    # data), on 6 under the Auto-axes default (every token split over both axes).
+    assert calls and set(calls) == {(12 if mode in CALLERS_LAYOUT else 6, 128)}, calls
     assert_matches_oracle(loss, dx, dw, oracle(x, labels, w, **OPTIONS))
-    assert same_layout(dx, x_spec) and same_layout(dw, w_spec)
+    if mode in CALLERS_LAYOUT:
+        assert same_layout(dx, x_spec) and same_layout(dw, w_spec)
     assert interpret_pallas_call.races is not None
     assert not interpret_pallas_call.races.races_found
 
@@ -221,37 +302,26 @@ def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
 def test_pallas_tpu_per_example_gradients_under_vmap_in_a_sharded_step(monkeypatch, mode):
     """Pallas cannot batch the kernels; ce_core runs the mapped examples one by one, on every shard."""
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
-    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1" if mode == "explicit" else "plain")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
     mesh = make_mesh(mode, (2, 2))
     x, labels, w = random_problem(4, (2, 4, 6), 128, 512)
-    per_example = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, implementation="pallas_tpu")  # noqa: E731
+    specs = stated_specs(mode, P("data", None, None), P(None, "model"))
+    per_example = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, implementation="pallas_tpu", in_specs=specs)  # noqa: E731
     grads = jax.vmap(jax.grad(per_example, argnums=(0, 2)), in_axes=(0, 0, None))
     assert_per_example_gradients(mode, mesh, grads, x, labels, w)
-
-
-def test_pallas_tpu_refuses_the_tpu_interpreter_under_automatic_sharding_before_compiling(monkeypatch):
-    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
-    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
-    mesh = make_mesh("auto", (2, 2))
-    x, labels, w = random_problem(6, (8,), 128, 256)
-    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
-    with pytest.raises(UnsupportedError, match=r"custom_partitioning.*CE_PALLAS_TPU_INTERPRET=plain"):
-        jax.jit(lambda x_: linear_cross_entropy(x_, labels, w, implementation="pallas_tpu")).lower(xs)
-    with pytest.warns(FallbackWarning, match=r"falling back to 'xla'"):
-        loss = jax.jit(lambda x_: linear_cross_entropy(x_, labels, w, implementation=("pallas_tpu", "xla")))(xs)
-    assert max_rel_error(loss, oracle(x, labels, w)["loss"]) < 1e-5
 
 
 # --- a whole training step ----------------------------------------------------------------------
 
 
-def _model_loss(params, inputs, labels, backend):
+def _model_loss(params, inputs, labels, backend, specs):
     hidden = jnp.tanh(inputs @ params["embed"])
-    return linear_cross_entropy(hidden, labels, params["head"], implementation=backend, logsumexp_weight=1e-3)
+    return linear_cross_entropy(hidden, labels, params["head"], implementation=backend, logsumexp_weight=1e-3,
+                                in_specs=specs)
 
 
-def _sgd_step(params, inputs, labels, backend):
-    loss, grads = jax.value_and_grad(_model_loss)(params, inputs, labels, backend)
+def _sgd_step(params, inputs, labels, backend, specs):
+    loss, grads = jax.value_and_grad(_model_loss)(params, inputs, labels, backend, specs)
     return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
 
 
@@ -263,7 +333,7 @@ def test_sharded_training_steps_give_the_unsharded_parameters(backend_name, mode
     labels = rng.integers(0, V, (8, 5)).astype(np.int32)
     params = {"embed": (rng.standard_normal((16, H)) / 4).astype(np.float32),
               "head": (rng.standard_normal((H, V)) / np.sqrt(H)).astype(np.float32)}
-    step = jax.jit(functools.partial(_sgd_step, backend=backend_name))
+    step = jax.jit(functools.partial(_sgd_step, backend=backend_name, specs=None))
 
     expected = params
     for _ in range(3):
@@ -271,6 +341,7 @@ def test_sharded_training_steps_give_the_unsharded_parameters(backend_name, mode
 
     mesh = make_mesh(mode)
     x_spec, head_spec, _ = LAYOUTS[layout]
+    step = jax.jit(functools.partial(_sgd_step, backend=backend_name, specs=stated_specs(mode, x_spec, head_spec)))
     with entered(mode, mesh):
         sharded = {"embed": jax.device_put(params["embed"], NamedSharding(mesh, P())),
                    "head": jax.device_put(params["head"], NamedSharding(mesh, head_spec))}
@@ -349,14 +420,78 @@ def test_plain_call_compiles_for_a_v5p_topology_within_its_memory_bound(monkeypa
     assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")
 
 
-def test_automatic_sharding_for_a_topology_without_devices_is_refused_before_compiling(v5p_2x2x1):
-    """libtpu's compile-only client has no partitioner for custom_partitioning: say so at trace time."""
-    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=v5p_2x2x1)
-    x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
-    labels = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
-    w = jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FallbackWarning)
-        message = r"compiling ahead of time for devices that are not here.*explicit axes"
-        with pytest.raises(UnsupportedError, match=message):
-            jax.jit(lambda a, b, c: linear_cross_entropy(a, b, c, implementation="xla")).lower(x, labels, w)
+@pytest.fixture(scope="module")
+def v6e_2x2():
+    from ce_pallas_tpu.aot import topology_devices
+
+    return topology_devices("v6e:2x2")
+
+
+#: w's layout in the caller's step -> (its spec, how many ways it splits V)
+AUTO_W_LAYOUTS = {"replicated": (P(None, None), 1), "vocab": (P(None, "model"), 2), "fsdp": (P("data", None), 1)}
+
+
+def compile_under_auto_axes(devices, generation, backend, w_spec, stated):
+    """value_and_grad of the plain call at Llama-3 scale, Auto axes, x split over data on a 2x2 mesh.
+
+    ``stated``: inside ``jax.set_mesh`` with the caller's layout in ``in_specs``; otherwise on
+    ``NamedSharding``-typed shapes alone (no mesh context), with the default layout.
+    """
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=devices)
+    n, h, v = AOT_N, AOT_H, AOT_V
+
+    def arg(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    specs = (P("data", None), w_spec) if stated else None
+    loss_fn = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, logsumexp_weight=1e-4, implementation=backend,  # noqa: E731
+                                                      in_specs=specs)
+    context = jax.set_mesh(mesh) if stated else contextlib.nullcontext()
+    with context:
+        return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 2))).lower(
+            arg((n, h), jnp.bfloat16, P("data", None)), arg((n,), jnp.int32, P("data")),
+            arg((h, v), jnp.bfloat16, w_spec)).compile()
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("w_layout", AUTO_W_LAYOUTS)
+@pytest.mark.parametrize("stated", [False, True], ids=["default", "stated"])
+def test_auto_axes_compile_for_a_v5p_topology_within_the_memory_bound(monkeypatch, v5p_2x2x1, backend, w_layout,
+                                                                      stated):
+    """GSPMD on TPU: the Auto-axes call compiles for 4 v5p chips, gathering at most w, within the bound.
+
+    The bound is ``4HV/k + 8(N/d)H + 64 MiB`` per device, ``d`` the caller's token split and ``k`` the
+    vocab split of the layout run: the caller's when stated, 1 under the default (which gathers w).
+    """
+    monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)  # compile the real kernels
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    w_spec, vocab_split = AUTO_W_LAYOUTS[w_layout]
+    compiled = compile_under_auto_axes(v5p_2x2x1, "v5p", backend, w_spec, stated)
+    assert_within_the_auto_axes_bound(compiled, backend, vocab_split if stated else 1,
+                                      gathers_w=(w_layout == "fsdp") or (w_layout == "vocab" and not stated))
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("w_layout,stated", [("vocab", True), ("fsdp", False)])
+def test_auto_axes_compile_for_a_v6e_topology_within_the_memory_bound(monkeypatch, v6e_2x2, backend, w_layout,
+                                                                      stated):
+    monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v6e")
+    w_spec, vocab_split = AUTO_W_LAYOUTS[w_layout]
+    compiled = compile_under_auto_axes(v6e_2x2, "v6e", backend, w_spec, stated)
+    assert_within_the_auto_axes_bound(compiled, backend, vocab_split if stated else 1, gathers_w=w_layout == "fsdp")
+
+
+def assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w):
+    n, h, v = AOT_N, AOT_H, AOT_V
+    hlo = compiled.as_text()
+    assert hlo is not None
+    bound = 4 * h * v / vocab_split + 8 * (n / 2) * h + 64 * 2**20
+    memory = compiled.memory_analysis()
+    assert memory is not None
+    temp = memory.temp_size_in_bytes
+    assert temp <= bound, f"{temp / 2**20:.0f} MiB of temporaries per device > {bound / 2**20:.0f} MiB"
+    # No gather of x, the labels or a [tokens, V] block; w gathered once, and only where it must be.
+    assert gathers_beyond(hlo, (n // 2, h), (h, v)) == [], all_gathers(hlo)
+    assert all_gathers(hlo) == ([(h, v)] if gathers_w else []), all_gathers(hlo)
+    assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")

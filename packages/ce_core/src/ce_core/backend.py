@@ -72,11 +72,9 @@ class StatsSpec:
 
 #: How a call is run over devices, as :attr:`Problem.placement` tells a backend:
 #: ``"local"``: one device, or one shard inside the caller's own ``shard_map``;
-#: ``"shard_map"``: ce_core splits the call with ``jax.shard_map`` (explicit sharding, or the
-#: ``sharded_linear_cross_entropy`` wrapper), so the backend runs on each device's shard;
-#: ``"partitioned"``: automatic sharding (GSPMD/Shardy); the backend runs on each device's shard
-#: inside ``jax.experimental.custom_partitioning``, whose lowering cannot hold ordered effects.
-PLACEMENTS = ("local", "shard_map", "partitioned")
+#: ``"shard_map"``: ce_core splits the call with ``jax.shard_map`` (explicit or automatic sharding,
+#: or the ``sharded_linear_cross_entropy`` wrapper), so the backend runs on each device's shard.
+PLACEMENTS = ("local", "shard_map")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """A ``vmap`` rule for per-shard functions, from the kinds of their arrays.
 
-Two kinds of op cannot be batched by JAX itself: ``custom_partitioning`` (no batching rule), and a
-backend whose kernels Pallas cannot batch (``Backend.batchable = False``). For both, the rule knows
-what the arrays mean (:class:`ce_core.shard_ops.ShardFn` declares each one's kind):
+A backend whose kernels Pallas cannot batch (``Backend.batchable = False``) gets this rule, on every
+placement. It knows what the arrays mean (:class:`ce_core.shard_ops.ShardFn` declares each one's kind):
 
 - outputs all per token, ``w`` not mapped: the mapped axis is one more token dimension (arrays keep
   their leading token dimensions), so the op runs once on the folded batch;
@@ -23,12 +22,8 @@ from ce_core.shard_ops import ShardFn
 Op = Callable[..., tuple[jax.Array, ...]]
 
 
-def batched_by_kinds(fn: ShardFn, op: Op, folded: Callable[[], Op] | None = None) -> Op:
-    """``op`` (computing ``fn`` on arrays) with the ``vmap`` rule above.
-
-    ``folded()`` gives the op for arrays with one more leading token dimension (default: ``op``
-    itself, for ops that take any number of them).
-    """
+def batched_by_kinds(fn: ShardFn, op: Op) -> Op:
+    """``op`` (computing ``fn`` on arrays with any number of leading token dimensions) with the ``vmap`` rule above."""
     batched_op = custom_vmap(op)
 
     @batched_op.def_vmap
@@ -37,7 +32,7 @@ def batched_by_kinds(fn: ShardFn, op: Op, folded: Callable[[], Op] | None = None
         if "w" not in fn.out_kinds and not in_batched[fn.in_kinds.index("w")]:
             leading = [a if b or k == "w" else jnp.broadcast_to(a, (axis_size, *a.shape))
                        for a, b, k in zip(args, in_batched, fn.in_kinds, strict=True)]
-            return (folded() if folded is not None else batched_op)(*leading), outputs_batched
+            return batched_op(*leading), outputs_batched
         mapped = [a for a, b in zip(args, in_batched, strict=True) if b]
 
         def one(example: list[jax.Array]) -> tuple[jax.Array, ...]:

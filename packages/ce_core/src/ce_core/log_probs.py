@@ -22,8 +22,8 @@ from jax.typing import ArrayLike
 
 from ce_core import validation
 from ce_core.block_sizes import BlockSizes
-from ce_core.placement import find_placement
-from ce_core.prepare import prepare
+from ce_core.placement import InSpecs, Placement, find_placement
+from ce_core.prepare import prepare, run_placed
 
 
 @overload
@@ -39,6 +39,7 @@ def linear_log_probs(
     implementation: str | Sequence[str] | None = ...,
     block_sizes: BlockSizes | None = ...,
     vocab_axis_name: str | None = ...,
+    in_specs: InSpecs | None = ...,
     precision: str | jax.lax.Precision | None = ...,
 ) -> jax.Array: ...
 
@@ -56,6 +57,7 @@ def linear_log_probs(
     implementation: str | Sequence[str] | None = ...,
     block_sizes: BlockSizes | None = ...,
     vocab_axis_name: str | None = ...,
+    in_specs: InSpecs | None = ...,
     precision: str | jax.lax.Precision | None = ...,
 ) -> tuple[jax.Array, jax.Array]: ...
 
@@ -73,6 +75,7 @@ def linear_log_probs(
     implementation: str | Sequence[str] | None = ...,
     block_sizes: BlockSizes | None = ...,
     vocab_axis_name: str | None = ...,
+    in_specs: InSpecs | None = ...,
     precision: str | jax.lax.Precision | None = ...,
 ) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
@@ -89,6 +92,7 @@ def linear_log_probs(
     implementation: str | Sequence[str] | None = None,
     block_sizes: BlockSizes | None = None,
     vocab_axis_name: str | None = None,
+    in_specs: InSpecs | None = None,
     precision: str | jax.lax.Precision | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probability of each label under ``softmax(cap(x @ w) / temperature)``, never materialising the logits.
@@ -103,7 +107,7 @@ def linear_log_probs(
         statistic; off by default so plain log-probabilities pay nothing for it).
       ignore_index: label of tokens that count for nothing: their ``logp`` and entropy are 0, and
         they receive no gradient.
-      implementation, block_sizes, vocab_axis_name, precision: as for :func:`ce_core.linear_cross_entropy`;
+      implementation, block_sizes, vocab_axis_name, in_specs, precision: as for :func:`ce_core.linear_cross_entropy`;
         the call follows the shardings of its inputs the same way.
 
     Returns:
@@ -124,13 +128,23 @@ def linear_log_probs(
     validation.check_vocab_axis_name(vocab_axis_name)
     if not isinstance(return_entropy, bool):
         raise ValueError(f"return_entropy must be a bool, got {return_entropy!r}")
-    call = prepare(x, labels, w, find_placement(x, labels, w, vocab_axis_name), weights=None,
-                   ignore_index=ignore_index, logit_soft_cap=logit_soft_cap, temperature=temperature,
-                   with_sum=False, with_expected=return_entropy, implementation=implementation,
-                   block_sizes=block_sizes, precision=validation.check_precision(precision))
+    return run_placed(_log_probs, x, labels, w, find_placement(x, labels, w, vocab_axis_name, in_specs),
+                      ignore_index=ignore_index, logit_soft_cap=logit_soft_cap, temperature=temperature,
+                      return_entropy=return_entropy, implementation=implementation, block_sizes=block_sizes,
+                      precision=validation.check_precision(precision))
+
+
+def _log_probs(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *, ignore_index: int,
+               logit_soft_cap: float | None, temperature: float, return_entropy: bool,
+               implementation: str | Sequence[str] | None, block_sizes: BlockSizes | None,
+               precision: str | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """:func:`linear_log_probs` on validated arguments, run as ``placement`` says."""
+    call = prepare(x, labels, w, placement, weights=None, ignore_index=ignore_index, logit_soft_cap=logit_soft_cap,
+                   temperature=temperature, with_sum=False, with_expected=return_entropy,
+                   implementation=implementation, block_sizes=block_sizes, precision=precision)
     stats = call.row_stats()
     logp = jnp.where(call.counted, stats.label - stats.lse, 0.0) + call.nan_if_bad
     if not return_entropy:
-        return logp
+        return call.restore(logp)
     assert stats.expected is not None  # asked for with with_expected=True
-    return logp, jnp.where(call.counted, stats.lse - stats.expected, 0.0)
+    return call.restore(logp), call.restore(jnp.where(call.counted, stats.lse - stats.expected, 0.0))

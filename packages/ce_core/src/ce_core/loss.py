@@ -22,8 +22,8 @@ from jax.typing import ArrayLike
 from ce_core import ops, validation
 from ce_core.backend import Backend, RowStats, StatsSpec
 from ce_core.block_sizes import BlockSizes
-from ce_core.placement import Placement, find_placement
-from ce_core.prepare import prepare
+from ce_core.placement import InSpecs, Placement, find_placement
+from ce_core.prepare import prepare, run_placed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,7 @@ def linear_cross_entropy(
     implementation: str | Sequence[str] | None = ...,
     block_sizes: BlockSizes | None = ...,
     vocab_axis_name: str | None = ...,
+    in_specs: InSpecs | None = ...,
     precision: str | jax.lax.Precision | None = ...,
 ) -> jax.Array: ...
 
@@ -86,6 +87,7 @@ def linear_cross_entropy(
     implementation: str | Sequence[str] | None = ...,
     block_sizes: BlockSizes | None = ...,
     vocab_axis_name: str | None = ...,
+    in_specs: InSpecs | None = ...,
     precision: str | jax.lax.Precision | None = ...,
 ) -> tuple[jax.Array, jax.Array]: ...
 
@@ -107,6 +109,7 @@ def linear_cross_entropy(
     implementation: str | Sequence[str] | None = ...,
     block_sizes: BlockSizes | None = ...,
     vocab_axis_name: str | None = ...,
+    in_specs: InSpecs | None = ...,
     precision: str | jax.lax.Precision | None = ...,
 ) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
@@ -127,6 +130,7 @@ def linear_cross_entropy(
     implementation: str | Sequence[str] | None = None,
     block_sizes: BlockSizes | None = None,
     vocab_axis_name: str | None = None,
+    in_specs: InSpecs | None = None,
     precision: str | jax.lax.Precision | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Cross-entropy of the logits ``x @ w`` against ``labels``, never materialising the logits.
@@ -153,6 +157,12 @@ def linear_cross_entropy(
         this call, so with tokens also split, reduce with ``"sum"`` and ``psum`` yourself, or use
         :func:`ce_core.sharded_linear_cross_entropy`. Not needed outside ``shard_map``: there the
         call follows the shardings of its inputs (explicit or automatic), see the README.
+      in_specs: ``(x_spec, w_spec)``, the ``jax.sharding.PartitionSpec`` s of ``x`` and ``w`` on the
+        mesh in use: the layout the call runs in (inputs laid out otherwise are resharded to it).
+        Under Auto mesh axes (GSPMD) the layout is not visible at trace time: state it here to run
+        as your step lays out ``x`` and ``w`` (``w`` split on V over axes that do not split tokens
+        runs vocab-parallel). ``None`` there: every token split over every mesh axis and ``w``
+        gathered (see the README). Under Explicit axes ``None`` reads the layout from the types.
       precision: MXU precision of the products, as jax names it (``"default"``: bf16 operands with
         float32 accumulation, ``"high"``, ``"highest"``, or a ``jax.lax.Precision``); ``None`` for
         the backend's default. Honoured by ``pallas_tpu`` (see its README for its default).
@@ -171,8 +181,8 @@ def linear_cross_entropy(
     validation.check_options(reduction, ignore_index, logsumexp_weight, logit_soft_cap, label_smoothing)
     validation.check_temperature(temperature)
     validation.check_vocab_axis_name(vocab_axis_name)
-    loss, lse = loss_with_placement(
-        x, labels, w, find_placement(x, labels, w, vocab_axis_name),
+    loss, lse = run_placed(
+        loss_with_placement, x, labels, w, find_placement(x, labels, w, vocab_axis_name, in_specs),
         reduction=reduction, weights=weights, ignore_index=ignore_index, logsumexp_weight=logsumexp_weight,
         logit_soft_cap=logit_soft_cap, label_smoothing=label_smoothing, temperature=temperature,
         return_lse=return_lse, implementation=implementation, block_sizes=block_sizes,
@@ -216,12 +226,12 @@ def loss_with_placement(
         stats = call.row_stats()
         per_token = token_weights * token_losses(stats, config) + call.nan_if_bad
         if reduction == "none":
-            loss = per_token
+            loss = call.restore(per_token)
         elif reduction == "sum":
             loss = jnp.sum(per_token)
         else:
             loss = jnp.sum(per_token) / _safe_total(token_weights)
-        return loss, (stats.lse if return_lse else None)
+        return loss, (call.restore(stats.lse) if return_lse else None)
 
     if reduction == "mean":
         token_weights = token_weights / _safe_total(token_weights)

@@ -5,8 +5,8 @@
 Because differentiation stops at these ops, the same per-shard code serves every placement:
 
 - ``"local"``: called directly (one device, or one shard in the caller's ``shard_map``);
-- ``"shard_map"``: inside ``jax.shard_map`` over the placement's mesh and specs;
-- ``"partitioned"``: inside ``custom_partitioning`` (:mod:`ce_core.partitioned`).
+- ``"shard_map"``: inside ``jax.shard_map`` over the placement's mesh and specs (explicit axes, auto
+  axes with a layout fixed at trace time, the sharded wrapper).
 
 Arrays keep their leading token dimensions (``x: [..., H]``, labels ``[...]``); each shard flattens
 its own rows, so no sharded array is ever reshaped across devices.
@@ -21,7 +21,6 @@ import jax
 
 from ce_core.backend import Backend, CotangentFn, RowStats, StatsSpec
 from ce_core.batching import batched_by_kinds
-from ce_core.partitioned import run_partitioned
 from ce_core.placement import Placement
 from ce_core.shard_ops import RowStatsAndGradsFn, RowStatsFn, RowStatsVjpFn, ShardFn, stats_from, stats_values
 
@@ -38,8 +37,6 @@ def run(fn: ShardFn, placement: Placement, *args: jax.Array) -> tuple[jax.Array,
             out_specs=tuple(placement.spec(k) for k in fn.out_kinds),
         )
         return sharded(*args)
-    if placement.kind == "partitioned":
-        return run_partitioned(fn, *args)
     raise ValueError(f"unknown placement kind {placement.kind!r}")
 
 

@@ -7,8 +7,11 @@ sharded step"):
   mesh): every array's type carries its sharding, so the placement is read from the types of ``x``
   and ``w`` at trace time and run with ``jax.shard_map`` (placement ``"shard_map"``).
 - **Auto axes** (GSPMD/Shardy: ``NamedSharding`` inputs, ``jax.set_mesh`` of an Auto mesh): the
-  shardings are only chosen by the compiler, so the backend runs under
-  ``jax.experimental.custom_partitioning``, whose callback sees them (placement ``"partitioned"``).
+  shardings are only chosen by the compiler, so the call runs with ``jax.shard_map`` over a layout
+  fixed at trace time: the one the caller states (``in_specs``), else the default of
+  :func:`default_placement` (every token split over every mesh axis, ``w`` whole). The compiler
+  reshards the inputs to it. (``jax.experimental.custom_partitioning``, which would see the
+  compiler's shardings, does not compile on TPU: jax-ml/jax#38196; see docs/sharding.md.)
 - **Inside the caller's ``shard_map``**, or with no mesh at all: the call is one shard, or the whole
   problem (placement ``"local"``), with ``vocab_axis_name`` naming a vocab axis of the caller's.
 
@@ -26,12 +29,13 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ce_core.errors import UnsupportedError
 from ce_core.shard_ops import ShardAxes
 
 #: One entry of a PartitionSpec: no axis, one axis name, or a tuple of names (major to minor).
 SpecEntry = str | tuple[str, ...] | None
 AnyMesh = Mesh | AbstractMesh
+#: ``(x_spec, w_spec)``: how the caller's ``x`` and ``w`` are split over the mesh (the ``in_specs`` option).
+InSpecs = tuple[PartitionSpec, PartitionSpec]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,10 @@ class Placement:
     ``token_spec`` holds one entry per leading dimension of ``x`` (``"shard_map"`` only), and
     ``vocab_axes`` the axes splitting V (``"shard_map"``, or the caller's ``vocab_axis_name``
     under ``"local"``). ``typed``: a ``"local"`` call inside the caller's ``shard_map``.
+    ``flat_tokens``: the tokens are flattened to one dimension and padded with ignored tokens to a
+    multiple of the token shards before the call (:class:`ce_core.flat_tokens.FlatTokens`), and
+    ``token_spec`` has one entry for that dimension. ``stated``: the caller's ``in_specs``; inputs
+    are constrained to them first, so the gradients come back laid out as the caller's arrays are.
     """
 
     kind: str = "local"
@@ -48,6 +56,8 @@ class Placement:
     token_spec: tuple[SpecEntry, ...] = ()
     vocab_axes: tuple[str, ...] = ()
     typed: bool = False
+    flat_tokens: bool = False
+    stated: InSpecs | None = None
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -72,6 +82,10 @@ class Placement:
             return value
         if self.mesh is None:
             raise ValueError("a shard_map placement needs a mesh")
+        if self.stated is not None:
+            x_spec, w_spec = self.stated
+            callers = {"x": x_spec, "w": w_spec, "tokens": PartitionSpec(*spec_entries(x_spec, value.ndim + 1)[:-1])}
+            value = place(value, self.mesh, callers[kind])
         return place(value, self.mesh, self.spec(kind))
 
     def spec(self, kind: str) -> PartitionSpec:
@@ -105,8 +119,12 @@ def spec_entries(spec: PartitionSpec, ndim: int) -> tuple[SpecEntry, ...]:
     return tuple(_entry(axes_of(e)) for e in entries)  # normalise ("a",) to "a"
 
 
-def typed_mesh(*values: Any) -> AbstractMesh | None:
-    """The context mesh, else the mesh recorded in the first input type that has one."""
+def typed_mesh(*values: Any) -> AnyMesh | None:
+    """The context mesh, else the mesh recorded in the first input type that has one.
+
+    A concrete input (an eager call) gives its concrete ``Mesh``: an eager call lays out the other
+    arguments (host arrays, single-device arrays) on real devices, which an abstract mesh cannot.
+    """
     context = jax.sharding.get_abstract_mesh()
     if not context.empty:
         return context
@@ -118,59 +136,107 @@ def typed_mesh(*values: Any) -> AbstractMesh | None:
         if isinstance(mesh, AbstractMesh) and not mesh.empty:
             return mesh
         if isinstance(mesh, Mesh) and not mesh.empty:
-            return mesh.abstract_mesh
+            return mesh
     return None
 
 
-def find_placement(x: jax.Array, labels: jax.Array, w: jax.Array, vocab_axis_name: str | None) -> Placement:
-    """The placement of a ``linear_cross_entropy`` call, from the context and the input types.
+def find_placement(x: jax.Array, labels: jax.Array, w: jax.Array, vocab_axis_name: str | None,
+                   in_specs: InSpecs | None = None) -> Placement:
+    """The placement of a ``linear_cross_entropy`` call, from the context, the input types and ``in_specs``.
 
     Raises:
-      UnsupportedError: automatic sharding over devices this process can only compile for (libtpu's
-        deviceless topologies), where ``custom_partitioning`` cannot run; use explicit axes there.
+      ValueError: ``in_specs`` that are malformed, name axes the mesh lacks, split a dimension
+        unevenly, or are given where they mean nothing (no mesh, or inside the caller's ``shard_map``).
     """
     context = jax.sharding.get_abstract_mesh()
     inside_shard_map = not context.empty and bool(context.manual_axes)
     if vocab_axis_name is not None or inside_shard_map:
+        if in_specs is not None:
+            raise ValueError(
+                "in_specs describe how x and w are split over a mesh; inside your own shard_map (or with "
+                "vocab_axis_name) the call is one shard's, so pass in_specs=None there"
+            )
         vocab = (vocab_axis_name,) if vocab_axis_name is not None else ()
         return Placement("local", vocab_axes=vocab, typed=inside_shard_map)
     mesh = typed_mesh(x, w, labels)
+    if in_specs is not None:
+        if mesh is None:
+            raise ValueError(
+                f"in_specs={in_specs!r} name mesh axes, but no mesh is visible to this call: enter one with "
+                "jax.set_mesh(mesh), or place the inputs with jax.device_put(..., NamedSharding(mesh, spec))"
+            )
+        x_spec, w_spec = check_in_specs(in_specs, mesh, x, w)
+        return dataclasses.replace(placement_from_specs(mesh, x_spec, w_spec, x.ndim), stated=(x_spec, w_spec))
     if mesh is None:
         return LOCAL
     if mesh.explicit_axes:  # even of size 1: explicit types reject ops that split along their axes
-        return explicit_placement(mesh, x, w)
+        return placement_from_specs(mesh, jax.typeof(x).sharding.spec, jax.typeof(w).sharding.spec, x.ndim)
     if mesh.size == 1:
         return LOCAL
-    _check_compilable_here(mesh)
-    return Placement("partitioned", mesh=mesh)
+    return default_placement(mesh)
 
 
-def explicit_placement(mesh: AbstractMesh, x: jax.Array, w: jax.Array) -> Placement:
-    """Tokens split as ``x``'s type says; V split over ``w``'s column axes that do not split tokens."""
-    x_entries = spec_entries(jax.typeof(x).sharding.spec, x.ndim)
+def default_placement(mesh: AnyMesh) -> Placement:
+    """Auto axes, no layout stated: the flattened tokens split over every mesh axis, ``w`` whole.
+
+    Chosen so that the caller's arrays reach it cheaply whatever their layout: tokens split over some
+    of the axes (data parallelism, in mesh order) are split further by a local slice, never gathered;
+    ``w`` is gathered once if it is split (FSDP, vocab or tensor parallelism), as any layer gathers its
+    FSDP weights; the logits never leave a device. ``dx`` comes back split over every axis, and the
+    compiler gathers it to the caller's layout over the axes that layout leaves whole.
+    """
+    axes = tuple(name for name in mesh.axis_names if mesh.shape[name] > 1)
+    return Placement("shard_map", mesh=mesh, token_spec=(_entry(axes),), flat_tokens=True)
+
+
+def placement_from_specs(mesh: AnyMesh, x_spec: PartitionSpec, w_spec: PartitionSpec, x_ndim: int) -> Placement:
+    """Tokens split as ``x_spec`` says; V split over ``w_spec``'s column axes that do not split tokens."""
+    x_entries = spec_entries(x_spec, x_ndim)
     token_spec = tuple(without_trivial_axes(entry, mesh) for entry in x_entries[:-1])
     tokens = {a for entry in token_spec for a in axes_of(entry)}
-    w_entries = spec_entries(jax.typeof(w).sharding.spec, 2)
+    w_entries = spec_entries(w_spec, 2)
     vocab = tuple(a for a in axes_of(without_trivial_axes(w_entries[1], mesh)) if a not in tokens)
     return Placement("shard_map", mesh=mesh, token_spec=token_spec, vocab_axes=vocab)
+
+
+def check_in_specs(in_specs: object, mesh: AnyMesh, x: jax.Array, w: jax.Array) -> tuple[PartitionSpec, PartitionSpec]:
+    """``in_specs`` as ``(x_spec, w_spec)``, checked against the mesh and the shapes (a ValueError naming them)."""
+    if (not isinstance(in_specs, (tuple, list)) or len(in_specs) != 2
+            or not all(isinstance(s, PartitionSpec) for s in in_specs)):
+        raise ValueError(f"in_specs must be a pair (x_spec, w_spec) of jax.sharding.PartitionSpec, got {in_specs!r}")
+    x_spec, w_spec = in_specs
+    for name, spec, array in (("x", x_spec, x), ("w", w_spec, w)):
+        if len(spec) > array.ndim:
+            raise ValueError(f"in_specs: the spec of {name}, {spec}, has more entries than {name} has dimensions "
+                             f"(shape {array.shape})")
+        used = [a for entry in spec for a in axes_of(entry)]
+        for axis in used:
+            if axis not in mesh.axis_names:
+                raise ValueError(f"in_specs: the spec of {name}, {spec}, names axis {axis!r}, which the mesh lacks; "
+                                 f"mesh axes: {tuple(mesh.axis_names)}")
+        if len(set(used)) != len(used):
+            raise ValueError(f"in_specs: the spec of {name}, {spec}, uses a mesh axis twice")
+    placement = placement_from_specs(mesh, x_spec, w_spec, x.ndim)
+    for dim, entry in enumerate(placement.token_spec):
+        shards = _axes_size(mesh, axes_of(entry))
+        if x.shape[dim] % shards:
+            raise ValueError(
+                f"in_specs: x's dimension {dim} (size {x.shape[dim]}, x of shape {x.shape}) does not split evenly "
+                f"over its {shards} shards on mesh axes {axes_of(entry)}; pad it, or leave in_specs=None (the "
+                "default layout pads the tokens itself)"
+            )
+    if w.shape[1] % placement.vocab_shards():
+        raise ValueError(
+            f"in_specs: w's vocab V={w.shape[1]} (w of shape {w.shape}) does not split evenly over its "
+            f"{placement.vocab_shards()} shards on mesh axes {placement.vocab_axes}; pad w's vocab to a multiple of it"
+        )
+    return x_spec, w_spec
 
 
 def without_trivial_axes(entry: SpecEntry, mesh: AnyMesh) -> SpecEntry:
     """``entry`` without mesh axes of size 1: splitting over one changes no data, but inside
     ``shard_map`` it types values as varying over it, which then costs a (trivial) ``psum``."""
     return _entry(tuple(a for a in axes_of(entry) if mesh.shape[a] > 1))
-
-
-def _check_compilable_here(mesh: AbstractMesh) -> None:
-    platform = mesh.abstract_device.platform if mesh.abstract_device is not None else None
-    if platform is not None and platform != jax.default_backend():
-        raise UnsupportedError(
-            f"linear_cross_entropy: the inputs are sharded automatically (Auto mesh axes {mesh.axis_names}) "
-            f"over {platform} devices while this process runs on {jax.default_backend()!r}: compiling "
-            "ahead of time for devices that are not here. Automatic sharding needs "
-            "jax.experimental.custom_partitioning, whose partitioner the compile-only client of such "
-            "devices lacks; use explicit axes there (jax.make_mesh's default, with jax.set_mesh)"
-        )
 
 
 def place(value: jax.Array, mesh: AnyMesh, spec: PartitionSpec) -> jax.Array:

@@ -12,14 +12,18 @@ tempered logits ``cap(x . w) / T``, on every backend, for the cost of one ``[N, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh
 
 from ce_core import ops, validation
 from ce_core.backend import Backend, Problem, RowStats, StatsSpec
 from ce_core.block_sizes import BlockSizes
+from ce_core.flat_tokens import FlatTokens
 from ce_core.placement import Placement
 from ce_core.registry import select_backend
 from ce_core.varying import align_varying
@@ -45,6 +49,11 @@ class PreparedCall:
     spec: StatsSpec
     placement: Placement
     vocab: int
+    flat: FlatTokens | None = None
+
+    def restore(self, per_token: jax.Array) -> jax.Array:
+        """A per-token result in the shape of the caller's labels (undoing the placement's flattening)."""
+        return per_token if self.flat is None else self.flat.restore(per_token)
 
     def row_stats(self) -> RowStats:
         """Statistics over the whole vocabulary, shaped like the labels; differentiable in x and w."""
@@ -80,6 +89,10 @@ def prepare(
     else:
         vocab = local_vocab
         validation.check_concrete_labels(labels, vocab, ignore_index)
+    flat = FlatTokens.over(labels.shape, placement.token_shards()) if placement.flat_tokens else None
+    if flat is not None:
+        x, labels = flat.rows(x), flat.tokens(labels, ignore_index)
+        weights = None if weights is None else flat.tokens(weights, 0)
     x, labels, w = placement.lay_out(x, "x"), placement.lay_out(labels, "tokens"), placement.lay_out(w, "w")
     weights = None if weights is None else placement.lay_out(weights, "tokens")
     if temperature != 1.0:
@@ -104,4 +117,29 @@ def prepare(
     safe_y = jnp.where(counted & in_vocab, y, 0)
     if placement.typed:  # inside the caller's shard_map: see ce_core.varying.align_varying
         x, w, safe_y = align_varying(x, w, safe_y)
-    return PreparedCall(x, w, safe_y, counted, nan_if_bad, weights, backend, spec, placement, vocab)
+    return PreparedCall(x, w, safe_y, counted, nan_if_bad, weights, backend, spec, placement, vocab, flat)
+
+
+def run_placed(fn: Callable[..., Any], x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement,
+               **options: Any) -> Any:
+    """``fn(x, labels, w, placement, **options)``, as one jitted program where the placement needs it.
+
+    Under Auto axes the mesh of a call made outside ``jit`` is often only the abstract one of its
+    traced inputs (``jax.grad`` of an eager call): the inputs cannot be laid out on it op by op, so
+    the call is compiled as one program, as the caller's own ``jit`` would (the labels are checked
+    first, while they are still concrete). Array options (``weights``) are traced; the rest are static.
+    """
+    if placement.kind != "shard_map" or not isinstance(placement.mesh, AbstractMesh) or placement.mesh.explicit_axes:
+        return fn(x, labels, w, placement, **options)
+    validation.check_concrete_labels(labels, w.shape[1], options["ignore_index"])
+    static = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items() if k not in _TRACED_OPTIONS}
+    traced = {k: v for k, v in options.items() if k in _TRACED_OPTIONS}
+    return _jitted(fn, tuple(sorted(static)))(x, labels, w, placement, **static, **traced)
+
+
+_TRACED_OPTIONS = frozenset({"weights"})
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(fn: Callable[..., Any], static_names: tuple[str, ...]) -> Callable[..., Any]:
+    return jax.jit(fn, static_argnums=(3,), static_argnames=static_names)

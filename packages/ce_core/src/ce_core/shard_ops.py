@@ -9,9 +9,9 @@ Each function here runs on one shard, calls the backend on it, and combines shar
 - ``dw``: summed over the token axes (each token shard holds part of ``x.T @ delta``).
 
 Nothing here is differentiated through: :mod:`ce_core.ops` wraps these functions in custom VJPs, so
-the same code runs whole on one device, inside ``jax.shard_map`` and inside the per-device lowering
-of ``custom_partitioning``. Each function is a frozen dataclass (hashable, so the op built around it
-can be cached) taking and returning flat tuples of arrays, with the kind of every array declared:
+the same code runs whole on one device and inside ``jax.shard_map``. Each function is a frozen
+dataclass (hashable, so the op built around it can be cached) taking and returning flat tuples of
+arrays, with the kind of every array declared:
 ``"x"`` (``[..., H]``), ``"w"`` (``[H, V]``) or ``"tokens"`` (``[...]``, one value per token).
 """
 
@@ -32,8 +32,9 @@ class ShardAxes:
     """The mesh axes one shard's computation is split over.
 
     ``typed``: values carry their varying axes (inside ``shard_map``), so a gradient is summed over
-    the axes it varies over and its primal does not. Otherwise (one device, or the untyped lowering
-    of ``custom_partitioning``) ``dw`` is summed over ``tokens`` and ``dx`` over ``vocab``.
+    the axes it varies over and its primal does not. Otherwise (one device, or the caller's
+    ``vocab_axis_name`` outside a typed ``shard_map``) ``dw`` is summed over ``tokens`` and ``dx`` over
+    ``vocab``.
     """
 
     tokens: tuple[str, ...] = ()

@@ -8,12 +8,10 @@ then run under ``jax.shard_map`` like an explicitly sharded call (:mod:`ce_core.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Literal, overload
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.typing import ArrayLike
 
@@ -111,7 +109,7 @@ def sharded_linear_cross_entropy(
                              options["label_smoothing"])
     validation.check_temperature(options["temperature"])
     options["precision"] = validation.check_precision(options["precision"])
-    hidden, vocab = w.shape
+    vocab = w.shape[1]
     if vocab_axis is not None and vocab % mesh.shape[vocab_axis]:
         raise ValueError(
             f"vocab size V={vocab} (w of shape {w.shape}) is not divisible by the {mesh.shape[vocab_axis]} "
@@ -119,24 +117,14 @@ def sharded_linear_cross_entropy(
         )
     validation.check_concrete_labels(labels, vocab, ignore_index)
 
-    batch_shards = math.prod(mesh.shape[axis] for axis in batch_axes)
-    n_tokens = math.prod(labels.shape)
-    padded = -(-n_tokens // batch_shards) * batch_shards
-    x2d = _pad(x.reshape(-1, hidden), padded, 0)
-    y = _pad(labels.reshape(-1), padded, ignore_index)
-    flat_weights = None if weights is None else _pad(weights.reshape(-1), padded, 0)
-
     run_mesh = _mesh_for(mesh, x, w)
     token_entry = without_trivial_axes(batch_axes, run_mesh)
     vocab_axes = axes_of(without_trivial_axes(vocab_axis, run_mesh))
-    placement = Placement("shard_map", mesh=run_mesh, token_spec=(token_entry,), vocab_axes=vocab_axes)
-    loss, lse = loss_with_placement(x2d, y, w, placement, reduction=reduction, weights=flat_weights,
+    placement = Placement("shard_map", mesh=run_mesh, token_spec=(token_entry,), vocab_axes=vocab_axes,
+                          flat_tokens=True)
+    loss, lse = loss_with_placement(x, labels, w, placement, reduction=reduction, weights=weights,
                                     ignore_index=ignore_index, return_lse=return_lse, **options)
-    if reduction == "none":
-        loss = loss[:n_tokens].reshape(labels.shape)
-    if lse is None:
-        return loss
-    return loss, lse[:n_tokens].reshape(labels.shape)
+    return loss if lse is None else (loss, lse)
 
 
 _DEFAULTS: dict[str, Any] = dict(logsumexp_weight=0.0, logit_soft_cap=None, label_smoothing=0.0, temperature=1.0,
@@ -173,11 +161,3 @@ def _check_mesh(mesh: Mesh | AbstractMesh, batch_axes: tuple[str, ...], vocab_ax
             raise ValueError(f"vocab_axis {vocab_axis!r} is also one of batch_axes {batch_axes}")
     if len(set(batch_axes)) != len(batch_axes):
         raise ValueError(f"batch_axes has a repeated axis: {batch_axes}")
-
-
-def _pad(values: jax.Array, length: int, fill: float | int) -> jax.Array:
-    missing = length - values.shape[0]
-    if missing == 0:
-        return values
-    padding = jnp.full((missing, *values.shape[1:]), fill, values.dtype)
-    return jnp.concatenate([values, padding])

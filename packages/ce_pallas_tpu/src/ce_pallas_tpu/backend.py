@@ -39,12 +39,6 @@ class PallasTpuBackend(Backend):
             current = target.current_target()
         except RuntimeError as error:
             raise UnsupportedError(f"pallas_tpu: {error}") from None
-        if problem.placement == "partitioned" and current.interpret == "tpu":
-            raise UnsupportedError(
-                "pallas_tpu: under automatic sharding the kernels run inside custom_partitioning, whose "
-                "per-device lowering cannot hold the TPU interpreter's ordered host callbacks; use "
-                f"{target.INTERPRET_ENV}=plain, or explicit sharding (jax.set_mesh with Explicit axes)"
-            )
         # Resolving the plan validates explicit block sizes (ValueError) and raises
         # UnsupportedError when no tiles fit this generation's VMEM.
         if problem.n > 0:
