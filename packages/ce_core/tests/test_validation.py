@@ -108,3 +108,24 @@ def test_int64_labels_that_int32_cannot_hold_are_refused_not_wrapped():
             fn(x, labels, w)
     # int64 values that fit are fine
     assert np.isfinite(float(linear_cross_entropy(x, np.array([1, 3, 2], np.int64), w)))
+
+
+def test_labels_held_in_shards_are_checked_shard_by_shard_with_global_positions():
+    """The multi-host path (labels not fully addressable) reads each held shard once, never the whole array.
+
+    Here every shard is held, so the shard-wise check must agree with the whole-array one on the first
+    bad position and on the count, although each label is held 4 times (replicated over ``model``).
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ce_core.validation import _check_held_labels
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    labels = LABELS.copy()
+    labels[3, 4] = 40
+    labels[2, 5] = -7
+    sharded = jax.device_put(labels, NamedSharding(mesh, P("data", None)))
+    with pytest.raises(ValueError, match=r"labels\[2, 5\] = -7 \(2 bad labels in the shards process 0 holds"):
+        _check_held_labels(sharded, 33, -100)
+    _check_held_labels(jax.device_put(LABELS, NamedSharding(mesh, P("data", None))), 33, -100)

@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -157,15 +158,54 @@ def check_concrete_labels(labels: jax.Array, vocab_size: int, ignore_index: int)
     """When the labels are concrete, a label outside [0, V) other than ``ignore_index`` is an error.
 
     Traced labels cannot be inspected; there such a token's loss is NaN instead (see the loss).
+    Labels spread over several processes (multi-host, after ``jax.distributed.initialize()``) are
+    never fetched whole: each process checks the label shards it holds and names a bad label by its
+    global position, so the process that holds a bad label raises.
     """
-    try:
-        values = np.asarray(labels)
-    except jax.errors.TracerArrayConversionError:
+    if isinstance(labels, Tracer):
         return
-    bad = (values != ignore_index) & ((values < 0) | (values >= vocab_size))
+    if not labels.is_fully_addressable:
+        _check_held_labels(labels, vocab_size, ignore_index)
+        return
+    values = np.asarray(labels)
+    bad = _bad(values, vocab_size, ignore_index)
     if bad.any():
         position = np.unravel_index(int(np.argmax(bad)), values.shape)
         raise ValueError(
             f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
             f"labels{list(map(int, position))} = {int(values[position])} ({int(bad.sum())} bad labels in all)"
+        )
+
+
+def _bad(values: np.ndarray, vocab_size: int, ignore_index: int) -> np.ndarray:
+    return (values != ignore_index) & ((values < 0) | (values >= vocab_size))
+
+
+def _check_held_labels(labels: jax.Array, vocab_size: int, ignore_index: int) -> None:
+    """:func:`check_concrete_labels` on the shards of ``labels`` this process holds (each once)."""
+    first: tuple[int, tuple[int, ...], int] | None = None  # (global flat position, global position, value)
+    count = 0
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    for shard in labels.addressable_shards:
+        values = np.asarray(shard.data)
+        offsets = tuple(0 if index.start is None else int(index.start) for index in shard.index)
+        key = tuple(zip(offsets, values.shape, strict=True))
+        if key in seen:  # a replica of a shard already checked
+            continue
+        seen.add(key)
+        bad = _bad(values, vocab_size, ignore_index)
+        if not bad.any():
+            continue
+        count += int(bad.sum())
+        local = np.unravel_index(int(np.argmax(bad)), values.shape)
+        position = tuple(int(offset + i) for offset, i in zip(offsets, local, strict=True))
+        flat = int(np.ravel_multi_index(position, labels.shape)) if labels.ndim else 0
+        if first is None or flat < first[0]:
+            first = (flat, position, int(values[local]))
+    if first is not None:
+        _, position, value = first
+        raise ValueError(
+            f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+            f"labels{list(position)} = {value} ({count} bad labels in the shards process {jax.process_index()} "
+            "holds; each process checks only its own)"
         )
