@@ -101,12 +101,13 @@ class Checks:
         self.expected = oracle(self.x, self.labels, self.w, **OPTIONS)
         self.meshes = {
             mode: jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
-            for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto))
+            for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto),
+                                    ("auto_stated", AxisType.Auto))
         }
 
     def run(self) -> None:
         for backend in BACKENDS:
-            for mode in ("explicit", "auto"):
+            for mode in ("explicit", "auto", "auto_stated"):  # auto_stated: in_specs = the inputs' layout
                 for layout in LAYOUTS:
                     self.case(f"{backend} jit {mode} {layout}", self.jitted_step, backend, mode, layout)
                 self.case(f"{backend} eager {mode}", self.eager_step, backend, mode)
@@ -140,8 +141,10 @@ class Checks:
         check(f"{name} dw", dw, expected["dw"], GRAD_TOL)
 
     def jitted_step(self, backend: str, mode: str, layout: str) -> None:
+        specs = LAYOUTS[layout] if mode == "auto_stated" else None
+
         def loss_fn(x, labels, w):
-            return linear_cross_entropy(x, labels, w, implementation=backend, **OPTIONS)
+            return linear_cross_entropy(x, labels, w, implementation=backend, in_specs=specs, **OPTIONS)
 
         with self.entered(mode):
             x, labels, w = self.place(mode, *LAYOUTS[layout])
@@ -152,8 +155,9 @@ class Checks:
         """The plain call without jit: the labels are concrete, so they are validated (each process its own)."""
         with self.entered(mode):
             x, labels, w = self.place(mode, *LAYOUTS["data_x_vocab"])
+            specs = LAYOUTS["data_x_vocab"] if mode == "auto_stated" else None
             loss, (dx, dw) = jax.value_and_grad(
-                lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend, **OPTIONS),
+                lambda x_, w_: linear_cross_entropy(x_, labels, w_, implementation=backend, in_specs=specs, **OPTIONS),
                 argnums=(0, 1))(x, w)
         self.assert_loss_and_grads(f"eager {mode}", loss, dx, dw, self.expected)
 
