@@ -7,7 +7,7 @@ print the table, write JSON and a PNG.
     ce-bench schedule --target v5e|v5p|v6e|tpu7x [--shapes ...] [--kernels forward,backward] ...
     ce-bench tune --target v5e|v5p|v6e|tpu7x [--buckets llama3,huge_batch] [--candidates 3] [--write]
     ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8]
-                      [--calls wrapper,explicit,auto] [--time REPEATS]
+                      [--calls wrapper,explicit,auto,auto_stated] [--time REPEATS]
     ce-bench report RESULTS.json [...] [--plot PATH] [--format markdown]
     ce-bench list
 
@@ -453,7 +453,8 @@ def main_sharding(argv: Sequence[str]) -> int:
                         help="comma-separated DATAxVOCAB mesh shapes")
     parser.add_argument("--calls", default="wrapper",
                         help="comma-separated ways of calling the loss: wrapper (sharded_linear_cross_entropy), "
-                             "explicit (plain call, Explicit mesh axes), auto (plain call, Auto axes / GSPMD)")
+                             "explicit (plain call, Explicit mesh axes), auto (plain call, Auto axes / GSPMD, default "
+                             "layout), auto_stated (plain call, Auto axes, in_specs stating the inputs' layout)")
     parser.add_argument("--topology", default=None, metavar="NAME",
                         help="compile for the devices of a deviceless TPU topology such as v5p:2x2x1 instead of "
                              "simulated CPU devices (libtpu; compile only)")

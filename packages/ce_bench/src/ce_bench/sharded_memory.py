@@ -6,10 +6,13 @@
 - ``wrapper``: :func:`ce_core.sharded_linear_cross_entropy` with ``batch_axes``/``vocab_axis``;
 - ``explicit``: the plain :func:`ce_core.linear_cross_entropy` under ``jax.set_mesh`` of a
   ``jax.make_mesh`` mesh (Explicit axes), inputs typed with their shardings;
-- ``auto``: the plain call on ``NamedSharding`` inputs of an Auto-axes mesh (GSPMD/Shardy).
+- ``auto``: the plain call on ``NamedSharding`` inputs of an Auto-axes mesh (GSPMD/Shardy), with
+  the default layout (every token split over every axis, ``w`` gathered);
+- ``auto_stated``: the same with the inputs' layout stated in ``in_specs``.
 
 ``x`` is split over ``data`` and ``w`` over ``vocab`` on V. ``memory_analysis()`` of the SPMD program
-gives per-device sizes, so Llama-3-sized shapes compile here without running. With ``topology``
+gives per-device sizes (and the compiled HLO its all-gathers, by result shape), so Llama-3-sized
+shapes compile here without running. With ``topology``
 (e.g. ``"v5p:2x2x1"``) the meshes are made of a deviceless TPU topology's devices instead, and the
 programs compiled by libtpu for that TPU (compile only; ``pallas_tpu`` then compiles its real kernels). With ``time``
 the programs also run on random inputs, interleaved round-robin per mesh (:mod:`ce_bench.timing`);
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +32,14 @@ from ce_core.testing import compile_program
 
 DEVICE_COUNT = 8
 DEFAULT_MESHES = ((1, 1), (8, 1), (2, 4), (1, 8))
-CALLS = ("wrapper", "explicit", "auto")
+CALLS = ("wrapper", "explicit", "auto", "auto_stated")
+#: An all-gather in compiled HLO text (also the async start on TPU), and its result shape.
+ALL_GATHER = re.compile(r"=\s*\(?[a-z0-9]+\[(?P<dims>[\d,]*)\][^=\n]*?\ball-gather(?:-start)?\(")
+
+
+def all_gather_shapes(hlo: str) -> list[str]:
+    """The result shapes (``"4096x128256"``) of the all-gathers in compiled HLO text."""
+    return [m["dims"].replace(",", "x") for m in ALL_GATHER.finditer(hlo)]
 
 
 def request_simulated_devices(count: int = DEVICE_COUNT) -> None:
@@ -83,9 +94,11 @@ def _program(backend: str, call: str, data: int, vocab: int, topology: str | Non
         def loss(x, labels, w):
             return sharded_linear_cross_entropy(x, labels, w, mesh=mesh, batch_axes=("data",), vocab_axis=vocab_axis,
                                                 implementation=backend)
-    elif call in ("explicit", "auto"):
+    elif call in ("explicit", "auto", "auto_stated"):
+        specs = (PartitionSpec("data", None), PartitionSpec(None, vocab_axis)) if call == "auto_stated" else None
+
         def loss(x, labels, w):
-            return linear_cross_entropy(x, labels, w, implementation=backend)
+            return linear_cross_entropy(x, labels, w, implementation=backend, in_specs=specs)
     else:
         raise ValueError(f"unknown call {call!r}; one of {CALLS}")
     shardings = dict(x=NamedSharding(mesh, PartitionSpec("data", None)),
@@ -115,11 +128,12 @@ def sharded_temp_bytes(
             return step.lower(*args).compile()
 
     try:
-        _, result = compile_program(compile_fn)
+        compiled, result = compile_program(compile_fn)
     except Exception as error:  # the row says why; the sweep goes on
         record.status, record.reason = classify(error), short_reason(error)
         return record
     record.take_memory(result)
+    record.note = "all-gathers: " + (", ".join(all_gather_shapes(compiled.as_text() or "")) or "none")
     return record
 
 
@@ -178,17 +192,18 @@ def format_table(records: Sequence[Record]) -> str:
     unsharded = {(r.backend, r.call): r.temp_bytes for r in records if r.mesh == "1x1"}
     timed = any(r.fwd_bwd_ms is not None for r in records)
     lines = ["| backend | call | N x H x V, dtype | mesh (data x vocab) | per-device temp | vs 1 device "
-             "| per-device args |" + (" fwd+bwd time |" if timed else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if timed else "")]
+             "| per-device args | all-gathers |" + (" fwd+bwd time |" if timed else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if timed else "")]
     for r in records:
         shape = f"{r.n} x {r.h} x {r.v}, {r.dtype}"
         if r.temp_bytes is None or r.argument_bytes is None:
-            lines.append(f"| {r.backend} | {r.call} | {shape} | {r.mesh} | {r.status}: {r.reason} | | |"
+            lines.append(f"| {r.backend} | {r.call} | {shape} | {r.mesh} | {r.status}: {r.reason} | | | |"
                          + (" |" if timed else ""))
             continue
         base = unsharded.get((r.backend, r.call))
         ratio = f"{r.temp_bytes / base:.3f}x" if base else "n/a"
         time = f" {r.fwd_bwd_ms:,.0f} ms |" if r.fwd_bwd_ms is not None else (" |" if timed else "")
+        gathers = (r.note or "").removeprefix("all-gathers: ")
         lines.append(f"| {r.backend} | {r.call} | {shape} | {r.mesh} | {r.temp_bytes / 2**20:,.1f} MiB "
-                     f"| {ratio} | {r.argument_bytes / 2**20:,.1f} MiB |" + time)
+                     f"| {ratio} | {r.argument_bytes / 2**20:,.1f} MiB | {gathers} |" + time)
     return "\n".join(lines)
