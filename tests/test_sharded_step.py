@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ce_core import linear_cross_entropy
+from ce_core import linear_cross_entropy, linear_log_probs, sharded_linear_cross_entropy
 from ce_core.placement import axes_of, spec_entries
 from ce_core.testing import max_rel_error, oracle, random_problem
 
@@ -495,3 +495,31 @@ def assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w)
     assert gathers_beyond(hlo, (n // 2, h), (h, v)) == [], all_gathers(hlo)
     assert all_gathers(hlo) == ([(h, v)] if gathers_w else []), all_gathers(hlo)
     assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")
+
+
+@pytest.mark.parametrize("call", ["log_probs_default", "log_probs_stated", "wrapper"])
+def test_log_probs_and_the_wrapper_compile_under_auto_axes_for_a_v5p_topology(monkeypatch, v5p_2x2x1, call):
+    """The RL path (log-probs and entropy) and the wrapper, Auto axes, value_and_grad, 4 v5p chips."""
+    monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=v5p_2x2x1)
+    n, h, v = AOT_N, AOT_H, AOT_V
+    w_spec = P(None, "model")
+
+    def arg(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    def objective(x_, y_, w_):
+        if call == "wrapper":
+            return sharded_linear_cross_entropy(x_, y_, w_, mesh=mesh, batch_axes=("data",), vocab_axis="model",
+                                                implementation="pallas_tpu")
+        specs = (P("data", None), w_spec) if call == "log_probs_stated" else None
+        logp, entropy = linear_log_probs(x_, y_, w_, temperature=0.7, return_entropy=True, in_specs=specs,
+                                         implementation="pallas_tpu")
+        return jnp.mean(logp) + 0.01 * jnp.mean(entropy)
+
+    compiled = jax.jit(jax.value_and_grad(objective, argnums=(0, 2))).lower(
+        arg((n, h), jnp.bfloat16, P("data", None)), arg((n,), jnp.int32, P("data")),
+        arg((h, v), jnp.bfloat16, w_spec)).compile()
+    assert_within_the_auto_axes_bound(compiled, "pallas_tpu", 1 if call == "log_probs_default" else 2,
+                                      gathers_w=call == "log_probs_default")
