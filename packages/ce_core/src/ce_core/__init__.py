@@ -17,6 +17,7 @@ from ce_core.block_sizes import BlockSizes
 from ce_core.errors import FallbackWarning, UnsupportedError
 from ce_core.log_probs import linear_log_probs
 from ce_core.loss import linear_cross_entropy
+from ce_core.options import LogitOptions, LogProbsOptions, LossOptions, LossTerms, PlacementOptions, ShardedLossOptions
 from ce_core.registry import (
     available_backends,
     default_chain,
@@ -37,9 +38,15 @@ __all__ = [
     "BlockSizes",
     "CotangentFn",
     "FallbackWarning",
+    "LogProbsOptions",
+    "LogitOptions",
+    "LossOptions",
+    "LossTerms",
     "PassTiles",
+    "PlacementOptions",
     "Problem",
     "RowStats",
+    "ShardedLossOptions",
     "StatsSpec",
     "TileReport",
     "UnsupportedError",

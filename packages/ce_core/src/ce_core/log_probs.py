@@ -13,102 +13,49 @@ logsumexp only when asked (``StatsSpec.with_expected``), so the plain loss never
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Literal, Unpack, overload
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from ce_core import validation
-from ce_core.block_sizes import BlockSizes
-from ce_core.placement import InSpecs, Placement, find_placement
+from ce_core.options import LogProbsOptions, Options
+from ce_core.placement import Placement, find_placement
 from ce_core.prepare import prepare, run_placed
 
 
 @overload
-def linear_log_probs(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    temperature: float = ...,
-    logit_soft_cap: float | None = ...,
-    return_entropy: Literal[False] = ...,
-    ignore_index: int = ...,
-    implementation: str | Sequence[str] | None = ...,
-    block_sizes: BlockSizes | None = ...,
-    vocab_axis_name: str | None = ...,
-    in_specs: InSpecs | None = ...,
-    precision: str | jax.lax.Precision | None = ...,
-) -> jax.Array: ...
+def linear_log_probs(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_entropy: Literal[False] = ...,
+                     **options: Unpack[LogProbsOptions]) -> jax.Array: ...
 
 
 @overload
-def linear_log_probs(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    temperature: float = ...,
-    logit_soft_cap: float | None = ...,
-    return_entropy: Literal[True],
-    ignore_index: int = ...,
-    implementation: str | Sequence[str] | None = ...,
-    block_sizes: BlockSizes | None = ...,
-    vocab_axis_name: str | None = ...,
-    in_specs: InSpecs | None = ...,
-    precision: str | jax.lax.Precision | None = ...,
-) -> tuple[jax.Array, jax.Array]: ...
+def linear_log_probs(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_entropy: Literal[True],
+                     **options: Unpack[LogProbsOptions]) -> tuple[jax.Array, jax.Array]: ...
 
 
 @overload
-def linear_log_probs(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    temperature: float = ...,
-    logit_soft_cap: float | None = ...,
-    return_entropy: bool = ...,
-    ignore_index: int = ...,
-    implementation: str | Sequence[str] | None = ...,
-    block_sizes: BlockSizes | None = ...,
-    vocab_axis_name: str | None = ...,
-    in_specs: InSpecs | None = ...,
-    precision: str | jax.lax.Precision | None = ...,
-) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+def linear_log_probs(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_entropy: bool,
+                     **options: Unpack[LogProbsOptions]) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
-def linear_log_probs(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    temperature: float = 1.0,
-    logit_soft_cap: float | None = None,
-    return_entropy: bool = False,
-    ignore_index: int = -100,
-    implementation: str | Sequence[str] | None = None,
-    block_sizes: BlockSizes | None = None,
-    vocab_axis_name: str | None = None,
-    in_specs: InSpecs | None = None,
-    precision: str | jax.lax.Precision | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def linear_log_probs(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_entropy: bool = False,
+                     **options: Unpack[LogProbsOptions]) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probability of each label under ``softmax(cap(x @ w) / temperature)``, never materialising the logits.
 
     Args:
       x: ``[..., H]`` hidden states (bf16, f16 or f32).
       labels: ``[...]`` integer token ids in ``[0, V)`` (the sampled tokens), or ``ignore_index``.
       w: ``[H, V]`` output projection.
-      temperature: ``T > 0``, the sampling temperature: the logits are ``cap(x . w) / T``.
-      logit_soft_cap: ``c``: ``cap(z) = c * tanh(z / c)``, applied before the temperature.
       return_entropy: also return each token distribution's entropy (costs one more streamed
         statistic; off by default so plain log-probabilities pay nothing for it).
-      ignore_index: label of tokens that count for nothing: their ``logp`` and entropy are 0, and
-        they receive no gradient.
-      implementation, block_sizes, vocab_axis_name, in_specs, precision: as for :func:`ce_core.linear_cross_entropy`;
-        the call follows the shardings of its inputs the same way.
+      **options: keyword options (:class:`ce_core.LogProbsOptions`, each documented there):
+        ``temperature=1.0`` (the sampling temperature), ``logit_soft_cap=None`` (applied before the
+        temperature), ``ignore_index=-100`` (such tokens' ``logp`` and entropy are 0, and they
+        receive no gradient), ``implementation``, ``block_sizes``, ``precision``,
+        ``vocab_axis_name`` and ``in_specs`` as for :func:`ce_core.linear_cross_entropy`; the call
+        follows the shardings of its inputs the same way.
 
     Returns:
       float32 ``logp`` with the shape of ``labels``, and the float32 entropy of the same shape when
@@ -121,27 +68,19 @@ def linear_log_probs(
         ``[0, V)``; under ``jit`` such a token's ``logp`` is NaN instead. Labels are never clamped.
       UnsupportedError: the named backend cannot run this call.
     """
-    x, labels, w, _ = validation.input_arrays(x, labels, w)
-    validation.check_ignore_index(ignore_index)
-    validation.check_soft_cap(logit_soft_cap)
-    validation.check_temperature(temperature)
-    validation.check_vocab_axis_name(vocab_axis_name)
+    settings, _ = Options.of("linear_log_probs", LogProbsOptions, options)
     if not isinstance(return_entropy, bool):
         raise ValueError(f"return_entropy must be a bool, got {return_entropy!r}")
-    return run_placed(_log_probs, x, labels, w, find_placement(x, labels, w, vocab_axis_name, in_specs),
-                      ignore_index=ignore_index, logit_soft_cap=logit_soft_cap, temperature=temperature,
-                      return_entropy=return_entropy, implementation=implementation, block_sizes=block_sizes,
-                      precision=validation.check_precision(precision))
+    x, labels, w, _ = validation.input_arrays(x, labels, w)
+    placement = find_placement(x, labels, w, settings.vocab_axis_name, settings.in_specs)
+    return run_placed(_log_probs, x, labels, w, placement, options=settings, return_entropy=return_entropy)
 
 
-def _log_probs(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *, ignore_index: int,
-               logit_soft_cap: float | None, temperature: float, return_entropy: bool,
-               implementation: str | Sequence[str] | None, block_sizes: BlockSizes | None,
-               precision: str | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+def _log_probs(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *, weights: None,
+               options: Options, return_entropy: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`linear_log_probs` on validated arguments, run as ``placement`` says."""
-    call = prepare(x, labels, w, placement, weights=None, ignore_index=ignore_index, logit_soft_cap=logit_soft_cap,
-                   temperature=temperature, with_sum=False, with_expected=return_entropy,
-                   implementation=implementation, block_sizes=block_sizes, precision=precision)
+    call = prepare(x, labels, w, placement, weights=weights, options=options, with_sum=False,
+                   with_expected=return_entropy)
     stats = call.row_stats()
     logp = jnp.where(call.counted, stats.label - stats.lse, 0.0) + call.nan_if_bad
     if not return_entropy:

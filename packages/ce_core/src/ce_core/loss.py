@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Literal, Unpack, overload
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +20,8 @@ from jax.typing import ArrayLike
 
 from ce_core import ops, validation
 from ce_core.backend import Backend, RowStats, StatsSpec
-from ce_core.block_sizes import BlockSizes
-from ce_core.placement import InSpecs, Placement, find_placement
+from ce_core.options import LossOptions, Options
+from ce_core.placement import Placement, find_placement
 from ce_core.prepare import prepare, run_placed
 
 
@@ -49,123 +48,33 @@ def token_losses(stats: RowStats, config: LossConfig) -> jax.Array:
 
 
 @overload
-def linear_cross_entropy(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    reduction: str = ...,
-    weights: ArrayLike | None = ...,
-    ignore_index: int = ...,
-    logsumexp_weight: float = ...,
-    logit_soft_cap: float | None = ...,
-    label_smoothing: float = ...,
-    temperature: float = ...,
-    return_lse: Literal[False] = ...,
-    implementation: str | Sequence[str] | None = ...,
-    block_sizes: BlockSizes | None = ...,
-    vocab_axis_name: str | None = ...,
-    in_specs: InSpecs | None = ...,
-    precision: str | jax.lax.Precision | None = ...,
-) -> jax.Array: ...
+def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: Literal[False] = ...,
+                         **options: Unpack[LossOptions]) -> jax.Array: ...
 
 
 @overload
-def linear_cross_entropy(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    reduction: str = ...,
-    weights: ArrayLike | None = ...,
-    ignore_index: int = ...,
-    logsumexp_weight: float = ...,
-    logit_soft_cap: float | None = ...,
-    label_smoothing: float = ...,
-    temperature: float = ...,
-    return_lse: Literal[True],
-    implementation: str | Sequence[str] | None = ...,
-    block_sizes: BlockSizes | None = ...,
-    vocab_axis_name: str | None = ...,
-    in_specs: InSpecs | None = ...,
-    precision: str | jax.lax.Precision | None = ...,
-) -> tuple[jax.Array, jax.Array]: ...
+def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: Literal[True],
+                         **options: Unpack[LossOptions]) -> tuple[jax.Array, jax.Array]: ...
 
 
 @overload
-def linear_cross_entropy(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    reduction: str = ...,
-    weights: ArrayLike | None = ...,
-    ignore_index: int = ...,
-    logsumexp_weight: float = ...,
-    logit_soft_cap: float | None = ...,
-    label_smoothing: float = ...,
-    temperature: float = ...,
-    return_lse: bool = ...,
-    implementation: str | Sequence[str] | None = ...,
-    block_sizes: BlockSizes | None = ...,
-    vocab_axis_name: str | None = ...,
-    in_specs: InSpecs | None = ...,
-    precision: str | jax.lax.Precision | None = ...,
-) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: bool,
+                         **options: Unpack[LossOptions]) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
-def linear_cross_entropy(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    reduction: str = "mean",
-    weights: ArrayLike | None = None,
-    ignore_index: int = -100,
-    logsumexp_weight: float = 0.0,
-    logit_soft_cap: float | None = None,
-    label_smoothing: float = 0.0,
-    temperature: float = 1.0,
-    return_lse: bool = False,
-    implementation: str | Sequence[str] | None = None,
-    block_sizes: BlockSizes | None = None,
-    vocab_axis_name: str | None = None,
-    in_specs: InSpecs | None = None,
-    precision: str | jax.lax.Precision | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: bool = False,
+                         **options: Unpack[LossOptions]) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Cross-entropy of the logits ``x @ w`` against ``labels``, never materialising the logits.
 
     Args:
       x: ``[..., H]`` hidden states (bf16, f16 or f32).
       labels: ``[...]`` integer class ids in ``[0, V)``, or ``ignore_index``.
       w: ``[H, V]`` output projection.
-      reduction: ``"mean"`` (weighted mean over non-ignored tokens, 0 when there are none),
-        ``"sum"`` or ``"none"`` (per-token losses, shape of ``labels``).
-      weights: optional ``[...]`` float per-token weights.
-      ignore_index: label value of tokens that count for nothing.
-      logsumexp_weight: z-loss coefficient ``lam``: adds ``lam * lse**2`` per token.
-      logit_soft_cap: ``c``: logits become ``c * tanh(z / c)`` before the softmax.
-      label_smoothing: ``eps`` in ``[0, 1)``, the ``optax.smooth_labels`` convention.
-      temperature: ``T > 0``: the logits are ``cap(x . w) / T``; every feature applies to those.
       return_lse: also return the per-token logsumexp (float32, shape of ``labels``).
-      implementation: ``None`` for the platform's default chain, a backend name, or a sequence
-        of names tried in order (falling back, with a warning, past backends that cannot run it).
-      block_sizes: explicit tile sizes for the backend; ``None`` lets it choose.
-      vocab_axis_name: inside your own ``shard_map`` with ``w`` split over V along this mesh axis
-        (shard k holding vocab ids ``[k * V_local, (k + 1) * V_local)``), combine the shards'
-        statistics with collectives; ``labels`` stay global ids. Reductions cover the tokens of
-        this call, so with tokens also split, reduce with ``"sum"`` and ``psum`` yourself, or use
-        :func:`ce_core.sharded_linear_cross_entropy`. Not needed outside ``shard_map``: there the
-        call follows the shardings of its inputs (explicit or automatic), see the README.
-      in_specs: ``(x_spec, w_spec)``, the ``jax.sharding.PartitionSpec`` s of ``x`` and ``w`` on the
-        mesh in use: the layout the call runs in (inputs laid out otherwise are resharded to it).
-        Under Auto mesh axes (GSPMD) the layout is not visible at trace time: state it here to run
-        as your step lays out ``x`` and ``w`` (``w`` split on V over axes that do not split tokens
-        runs vocab-parallel). ``None`` there: every token split over every mesh axis and ``w``
-        gathered (see the README). Under Explicit axes ``None`` reads the layout from the types.
-      precision: MXU precision of the products, as jax names it (``"default"``: bf16 operands with
-        float32 accumulation, ``"high"``, ``"highest"``, or a ``jax.lax.Precision``); ``None`` for
-        the backend's default. Honoured by ``pallas_tpu`` (see its README for its default).
+      **options: keyword options (:class:`ce_core.LossOptions`, each documented there):
+        ``reduction="mean"``, ``weights=None``, ``ignore_index=-100``, ``logsumexp_weight=0.0``,
+        ``logit_soft_cap=None``, ``label_smoothing=0.0``, ``temperature=1.0``, ``implementation=None``,
+        ``block_sizes=None``, ``precision=None``, ``vocab_axis_name=None``, ``in_specs=None``.
 
     Returns:
       The float32 loss (a scalar, or the shape of ``labels`` for ``reduction="none"``), and the
@@ -177,51 +86,29 @@ def linear_cross_entropy(
         token's loss is NaN instead, so training notices. Labels are never clamped.
       UnsupportedError: the named backend cannot run this call.
     """
+    settings, weights = Options.of("linear_cross_entropy", LossOptions, options)
     x, labels, w, weights = validation.input_arrays(x, labels, w, weights)
-    validation.check_options(reduction, ignore_index, logsumexp_weight, logit_soft_cap, label_smoothing)
-    validation.check_temperature(temperature)
-    validation.check_vocab_axis_name(vocab_axis_name)
-    loss, lse = run_placed(
-        loss_with_placement, x, labels, w, find_placement(x, labels, w, vocab_axis_name, in_specs),
-        reduction=reduction, weights=weights, ignore_index=ignore_index, logsumexp_weight=logsumexp_weight,
-        logit_soft_cap=logit_soft_cap, label_smoothing=label_smoothing, temperature=temperature,
-        return_lse=return_lse, implementation=implementation, block_sizes=block_sizes,
-        precision=validation.check_precision(precision),
-    )
+    placement = find_placement(x, labels, w, settings.vocab_axis_name, settings.in_specs)
+    loss, lse = run_placed(loss_with_placement, x, labels, w, placement, weights=weights, options=settings,
+                           return_lse=bool(return_lse))
     return loss if lse is None else (loss, lse)
 
 
-def loss_with_placement(
-    x: jax.Array,
-    labels: jax.Array,
-    w: jax.Array,
-    placement: Placement,
-    *,
-    reduction: str,
-    weights: jax.Array | None,
-    ignore_index: int,
-    logsumexp_weight: float,
-    logit_soft_cap: float | None,
-    label_smoothing: float,
-    temperature: float,
-    return_lse: bool,
-    implementation: str | Sequence[str] | None,
-    block_sizes: BlockSizes | None,
-    precision: str | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+def loss_with_placement(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *,
+                        weights: jax.Array | None, options: Options,
+                        return_lse: bool) -> tuple[jax.Array, jax.Array | None]:
     """``(loss, lse)`` of :func:`linear_cross_entropy` on validated arrays, run as ``placement`` says.
 
     ``lse`` is ``None`` unless ``return_lse``.
     """
-    call = prepare(x, labels, w, placement, weights=weights, ignore_index=ignore_index,
-                   logit_soft_cap=logit_soft_cap, temperature=temperature, with_sum=label_smoothing > 0,
-                   with_expected=False, implementation=implementation, block_sizes=block_sizes,
-                   precision=precision)
-    config = LossConfig(float(label_smoothing), float(logsumexp_weight), call.vocab)
+    call = prepare(x, labels, w, placement, weights=weights, options=options,
+                   with_sum=options.label_smoothing > 0, with_expected=False)
+    config = LossConfig(float(options.label_smoothing), float(options.logsumexp_weight), call.vocab)
     token_weights = call.counted.astype(jnp.float32)
     if call.weights is not None:
         token_weights = token_weights * call.weights.astype(jnp.float32)
 
+    reduction = options.reduction
     if reduction == "none" or return_lse or call.labels.size == 0:
         stats = call.row_stats()
         per_token = token_weights * token_losses(stats, config) + call.nan_if_bad
