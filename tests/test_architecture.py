@@ -2,6 +2,8 @@
 
 - A backend package and ce-bench import ``ce_core`` and ``ce_core.extend`` only: the rest of ce_core
   is private (docs/architecture.md).
+- Inside ce_core, each room imports only the rooms below it: ``contract`` nothing but itself,
+  ``sharded`` the contract, ``api`` both; only the public modules import ``api``.
 - No module imports itself back through others, at import time or in a deferred import.
 - Running a backend never loads the offline tooling (``tune``, ``schedule``, ``aot``).
 """
@@ -69,6 +71,27 @@ def test_packages_import_only_ce_cores_declared_surface(package):
                for name in sorted(imported(path, module_name(path)))
                if name.split(".")[0] == "ce_core" and name not in PUBLIC_CE_CORE]
     assert private == [], "import from ce_core or ce_core.extend instead:\n" + "\n".join(private)
+
+
+#: ce_core's rooms and the rooms each may import (besides itself).
+CE_CORE_ROOMS = {"contract": set(), "sharded": {"contract"}, "api": {"contract", "sharded"}}
+
+
+def test_ce_core_rooms_import_only_the_rooms_below_them():
+    wrong = []
+    for name, path in ALL_MODULES.items():
+        parts = name.split(".")
+        if parts[0] != "ce_core" or len(parts) < 3:
+            continue  # the public modules (ce_core, ce_core.extend, ce_core.testing) may import any room
+        room = parts[1]
+        for target in sorted(imported(path, name)):
+            target_parts = target.split(".")
+            if target_parts[0] != "ce_core":
+                continue
+            target_room = target_parts[1] if len(target_parts) > 2 else "public"
+            if target_room != room and target_room not in CE_CORE_ROOMS[room]:
+                wrong.append(f"{name} -> {target}")
+    assert wrong == [], "imports against the rooms' order:\n" + "\n".join(wrong)
 
 
 def test_no_import_cycles():

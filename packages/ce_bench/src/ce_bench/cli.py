@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ce_bench import objectives, presets
 from ce_bench.memory import GIB
-from ce_core.tpu_host import quiet_libtpu_without_tpu
+from ce_core.contract.tpu_host import quiet_libtpu_without_tpu
 
 if TYPE_CHECKING:
     from ce_bench.records import Record

@@ -4,7 +4,7 @@ A backend (and ``ce-bench``) imports ``ce_core`` and this module only; every oth
 module is private and may change without notice (``tests/test_architecture.py`` fails when a package
 imports one). What is here, by role:
 
-- **The contract** (:mod:`ce_core.backend`): :class:`Backend` and the types it is called with
+- **The contract** (:mod:`ce_core.contract.backend`): :class:`Backend` and the types it is called with
   (:class:`Problem`, :class:`StatsSpec`, :class:`RowStats`, ``CotangentFn``), the version a backend
   declares (:data:`CONTRACT_VERSION`), the placements it may be told (:data:`PLACEMENTS`), and
   :func:`localize_cotangent`. :class:`BlockSizes`, :class:`TileReport` and :class:`PassTiles` for
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ce_core.backend import (
+from ce_core.contract.backend import (
     CONTRACT_VERSION,
     PLACEMENTS,
     SUPPORTED_CONTRACT_VERSIONS,
@@ -36,13 +36,13 @@ from ce_core.backend import (
     StatsSpec,
     localize_cotangent,
 )
-from ce_core.block_sizes import BlockSizes
-from ce_core.compiled import CompileResult, compile_program, first_line
-from ce_core.errors import FallbackWarning, UnsupportedError
-from ce_core.registry import get_backend, register_backend, unregister_backend
-from ce_core.tile_report import PassTiles, TileReport
-from ce_core.tpu_host import host_has_tpu, quiet_libtpu_without_tpu
-from ce_core.varying import vary, vary_like, varying_axes_of
+from ce_core.contract.block_sizes import BlockSizes
+from ce_core.contract.compiled import CompileResult, compile_program, first_line
+from ce_core.contract.errors import FallbackWarning, UnsupportedError
+from ce_core.contract.registry import get_backend, register_backend, unregister_backend
+from ce_core.contract.tile_report import PassTiles, TileReport
+from ce_core.contract.tpu_host import host_has_tpu, quiet_libtpu_without_tpu
+from ce_core.contract.varying import vary, vary_like, varying_axes_of
 
 if TYPE_CHECKING:
     from ce_core.testing import (

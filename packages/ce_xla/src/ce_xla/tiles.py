@@ -127,7 +127,7 @@ def logit_cotangent(
     valid: jax.Array | None,
     cap: float | None,
 ) -> jax.Array:
-    """``delta`` of one tile, float32: the contract's logit cotangent (see :mod:`ce_core.backend`) times ``cap'(z)``.
+    """``delta`` of one tile, float32: the contract's logit cotangent times ``cap'(z)``.
 
     ``g_lse p + g_label [col == label] + g_sum + g_expected p (1 + z - expected)``, with ``p`` the
     softmax against the rows' ``stats.lse`` (which may cover a larger vocabulary than this tile's

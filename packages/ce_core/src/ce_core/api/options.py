@@ -20,9 +20,9 @@ from typing import Any, TypedDict
 import jax
 from jax.typing import ArrayLike
 
-from ce_core import validation
-from ce_core.block_sizes import BlockSizes
-from ce_core.placement import InSpecs
+from ce_core.api import validation
+from ce_core.contract.block_sizes import BlockSizes
+from ce_core.sharded.placement import InSpecs
 
 
 class LogitOptions(TypedDict, total=False):

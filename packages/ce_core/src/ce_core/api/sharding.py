@@ -3,7 +3,7 @@
 :func:`ce_core.linear_cross_entropy` already follows the shardings its inputs carry. This wrapper is
 for the other case: the caller says how to split (``batch_axes``, ``vocab_axis``) and the inputs
 are laid out that way first (resharded: a slice, or a gather where they were split differently),
-then run under ``jax.shard_map`` like an explicitly sharded call (:mod:`ce_core.placement`).
+then run under ``jax.shard_map`` like an explicitly sharded call (:mod:`ce_core.sharded.placement`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.typing import ArrayLike
 
-from ce_core import validation
-from ce_core.loss import loss_with_placement
-from ce_core.options import Options, ShardedLossOptions
-from ce_core.placement import Placement, axes_of, typed_mesh, without_trivial_axes
+from ce_core.api import validation
+from ce_core.api.loss import loss_with_placement
+from ce_core.api.options import Options, ShardedLossOptions
+from ce_core.sharded.placement import Placement, axes_of, typed_mesh, without_trivial_axes
 
 
 @overload

@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from ce_core import ops, validation
-from ce_core.backend import Backend, RowStats, StatsSpec
-from ce_core.options import LossOptions, Options
-from ce_core.placement import Placement, find_placement
-from ce_core.prepare import prepare, run_placed
+from ce_core.api import validation
+from ce_core.api.options import LossOptions, Options
+from ce_core.api.prepare import prepare, run_placed
+from ce_core.contract.backend import Backend, RowStats, StatsSpec
+from ce_core.sharded import ops
+from ce_core.sharded.placement import Placement, find_placement
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from ce_core import validation
-from ce_core.options import LogProbsOptions, Options
-from ce_core.placement import Placement, find_placement
-from ce_core.prepare import prepare, run_placed
+from ce_core.api import validation
+from ce_core.api.options import LogProbsOptions, Options
+from ce_core.api.prepare import prepare, run_placed
+from ce_core.sharded.placement import Placement, find_placement
 
 
 @overload

@@ -1,6 +1,6 @@
 """What every entry point does before the backend runs: place inputs, choose a backend, make labels safe.
 
-The loss (:mod:`ce_core.loss`) and the log-probabilities (:mod:`ce_core.log_probs`) are both built
+The loss (:mod:`ce_core.api.loss`) and the log-probabilities (:mod:`ce_core.api.log_probs`) are both built
 from row statistics of the same logits; this module turns validated arguments into a
 :class:`PreparedCall` holding everything those statistics need.
 
@@ -20,14 +20,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from ce_core import ops, validation
-from ce_core.backend import Backend, Problem, RowStats, StatsSpec
-from ce_core.flat_tokens import FlatTokens
-from ce_core.options import Options
-from ce_core.placement import Placement
-from ce_core.registry import select_backend
-from ce_core.varying import align_varying
-from ce_core.vocab_parallel import vocab_shards
+from ce_core.api import validation
+from ce_core.api.options import Options
+from ce_core.contract.backend import Backend, Problem, RowStats, StatsSpec
+from ce_core.contract.registry import select_backend
+from ce_core.contract.varying import align_varying
+from ce_core.sharded import ops
+from ce_core.sharded.flat_tokens import FlatTokens
+from ce_core.sharded.placement import Placement
+from ce_core.sharded.vocab_parallel import vocab_shards
 
 
 @dataclasses.dataclass
@@ -109,7 +110,7 @@ def prepare(
     in_vocab = (y >= 0) & (y < vocab)
     nan_if_bad = jnp.where(counted & ~in_vocab, jnp.nan, 0.0).astype(jnp.float32)
     safe_y = jnp.where(counted & in_vocab, y, 0)
-    if placement.typed:  # inside the caller's shard_map: see ce_core.varying.align_varying
+    if placement.typed:  # inside the caller's shard_map: see ce_core.contract.varying.align_varying
         x, w, safe_y = align_varying(x, w, safe_y)
     return PreparedCall(x, w, safe_y, counted, nan_if_bad, weights, backend, spec, placement, vocab, flat)
 
