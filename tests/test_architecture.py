@@ -128,3 +128,19 @@ def test_running_a_backend_loads_no_offline_tooling():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+#: Roles both backends have, under one file name each (docs/architecture.md).
+SHARED_ROLES = {
+    "backend.py": "the Backend subclass and its entry point",
+    "ops.py": "the differentiable row statistics (custom VJP) around the kernels or loops",
+    "tiling.py": "tile and chunk sizes for a problem",
+    "target.py": "facts about the hardware compiled for",
+    "tile_stats.py": "the statistics of one tile of logits",
+}
+
+
+@pytest.mark.parametrize("package", ["ce_xla", "ce_pallas_tpu"])
+def test_backends_name_the_same_roles_alike(package):
+    files = {path.name for path in (PACKAGES / package / "src" / package).glob("*.py")}
+    assert set(SHARED_ROLES) <= files, sorted(set(SHARED_ROLES) - files)

@@ -272,9 +272,9 @@ def count_dots(jaxpr) -> int:
 @pytest.fixture
 def no_fused_allowance(monkeypatch):
     """The order rule without its 64 MiB allowance, so that small bf16 problems take vocab outer."""
-    import ce_xla.chunking
+    import ce_xla.tiling
 
-    monkeypatch.setattr(ce_xla.chunking, "FUSED_ALLOWANCE_BYTES", 0)
+    monkeypatch.setattr(ce_xla.tiling, "FUSED_ALLOWANCE_BYTES", 0)
 
 
 @pytest.mark.parametrize("reduction,dtype,dots", [("mean", "float32", 3), ("none", "float32", 4),

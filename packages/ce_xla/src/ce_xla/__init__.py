@@ -5,12 +5,12 @@ budget), never holding the ``[N, V]`` logits; ``row_stats`` has a custom VJP wit
 Gradients run tokens outer (float32 ``dw`` accumulator; scalar losses then take the fused path that
 forms ``dx`` and ``dw`` in the forward pass, 6NHV) or vocab outer (float32 ``dx`` accumulator, each
 ``dw`` slice written once: what bf16 ``w`` takes, so no ``[H, V]`` float32 temporary). The order
-and chunk rule are documented in :mod:`ce_xla.chunking`, the per-platform budgets in
-:mod:`ce_xla.platforms`.
+and chunk rule are documented in :mod:`ce_xla.tiling`, the per-platform budgets in
+:mod:`ce_xla.target`.
 """
 
 from ce_xla.backend import XlaBackend, make_backend
-from ce_xla.chunking import LOGITS_BUDGET_BYTES, ChunkPlan, gradient_order, plan_chunks
+from ce_xla.tiling import LOGITS_BUDGET_BYTES, ChunkPlan, gradient_order, plan_chunks
 
 __version__ = "0.2.0"
 

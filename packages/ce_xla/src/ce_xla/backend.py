@@ -4,13 +4,12 @@
 statistics (O(N) beyond the inputs); its backward pass recomputes the logits chunk by chunk (8NHV in all).
 ``row_stats_and_grads``, used by ``ce_core`` when the loss is reduced to a scalar, forms ``dx`` and
 ``dw`` in the same pass as the statistics (6NHV) when the plan's gradient order is tokens outer.
-Every entry point takes its gradient order from the plan (:mod:`ce_xla.chunking`), so none holds a
+Every entry point takes its gradient order from the plan (:mod:`ce_xla.tiling`), so none holds a
 float32 ``[H, V]`` accumulator for a bf16 ``w``.
 """
 
 from __future__ import annotations
 
-import functools
 from types import MappingProxyType
 from typing import Any
 
@@ -18,9 +17,9 @@ import jax
 import numpy as np
 
 from ce_core import Backend, BlockSizes, CotangentFn, PassTiles, Problem, RowStats, StatsSpec, TileReport
-from ce_xla import backward, forward, fused
-from ce_xla.chunking import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks
-from ce_xla.platforms import target_platform
+from ce_xla import backward, fused, ops
+from ce_xla.target import target_platform
+from ce_xla.tiling import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks
 
 
 class XlaBackend(Backend):
@@ -28,7 +27,7 @@ class XlaBackend(Backend):
 
     ``budget_bytes`` bounds one float32 logits chunk and ``grad_budget_bytes`` one tokens-outer
     ``dw`` update (``None``: the platform's default), and ``gradient_order`` forces a gradient loop
-    order (``None``: the rule); see :mod:`ce_xla.chunking`.
+    order (``None``: the rule); see :mod:`ce_xla.tiling`.
     """
 
     name = "xla"
@@ -83,7 +82,7 @@ class XlaBackend(Backend):
         return self.plan(x.shape[0], w.shape[0], w.shape[1], spec, x.dtype, w.dtype)
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
-        return _row_stats(x, w, labels, spec, self._plan_for(x, w, spec))
+        return ops.row_stats(x, w, labels, spec, self._plan_for(x, w, spec))
 
     def row_stats_vjp(
         self,
@@ -110,25 +109,6 @@ class XlaBackend(Backend):
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "
                 f"gradient_order={self.gradient_order!r})")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, plan: ChunkPlan) -> RowStats:
-    return forward.row_stats(x, w, labels, spec, plan)
-
-
-def _row_stats_fwd(x, w, labels, spec, plan):
-    stats = forward.row_stats(x, w, labels, spec, plan)
-    return stats, (x, w, labels, stats)
-
-
-def _row_stats_bwd(spec, plan, residuals, cotangent):
-    x, w, labels, stats = residuals
-    dx, dw = backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan)
-    return dx, dw, None
-
-
-_row_stats.defvjp(_row_stats_fwd, _row_stats_bwd)
 
 
 def make_backend() -> XlaBackend:

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 
 from ce_core import RowStats, StatsSpec
 from ce_core.extend import vary_like
-from ce_xla import tiles, vocab_outer
-from ce_xla.chunking import ChunkPlan
+from ce_xla import tile_stats, vocab_outer
 from ce_xla.loops import chunk_start, loop
-from ce_xla.tiles import CONTRACT_COLS, CONTRACT_ROWS
+from ce_xla.tile_stats import CONTRACT_COLS, CONTRACT_ROWS
+from ce_xla.tiling import ChunkPlan
 
 
 def chunk_grads(
@@ -43,20 +43,21 @@ def chunk_grads(
     shares with the previous chunk, which must not add to ``dw`` a second time.
     """
     cap, width = spec.logit_soft_cap, plan.grad_chunk
-    product_dtype = tiles.grad_dtype(dtype)
+    product_dtype = tile_stats.grad_dtype(dtype)
     x_for_dw = x_chunk if rows_owned is None else jnp.where(rows_owned[:, None], x_chunk, 0)
     x_for_dw = x_for_dw.astype(product_dtype)
 
     def tile(j, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         dx, dw = carry
         start, first_new = chunk_start(j, width, plan.v)
-        cols = tiles.column_ids(start, width)
+        cols = tile_stats.column_ids(start, width)
         w_tile = w if width == plan.v else jax.lax.dynamic_slice_in_dim(w, start, width, axis=1)
         if z is None:
-            z_tile = tiles.logits(x_chunk, w_tile, cap, dtype)
+            z_tile = tile_stats.logits(x_chunk, w_tile, cap, dtype)
         else:
             z_tile = z if width == plan.v else jax.lax.dynamic_slice_in_dim(z, start, width, axis=1)
-        delta = tiles.logit_cotangent(z_tile, stats, cotangent, labels, cols, tiles.column_mask(cols, first_new), cap)
+        owned = tile_stats.column_mask(cols, first_new)
+        delta = tile_stats.logit_cotangent(z_tile, stats, cotangent, labels, cols, owned, cap)
         delta = delta.astype(product_dtype)
         dx = dx + jax.lax.dot_general(delta, w_tile.astype(product_dtype), CONTRACT_COLS,
                                       preferred_element_type=jnp.float32)

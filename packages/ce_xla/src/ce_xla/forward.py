@@ -10,9 +10,9 @@ import jax.numpy as jnp
 
 from ce_core import RowStats, StatsSpec
 from ce_core.extend import vary_like
-from ce_xla import tiles
-from ce_xla.chunking import ChunkPlan
+from ce_xla import tile_stats
 from ce_xla.loops import chunk_start, loop
+from ce_xla.tiling import ChunkPlan
 
 
 def chunk_row_stats(
@@ -26,19 +26,20 @@ def chunk_row_stats(
     """
     cap = spec.logit_soft_cap
     if plan.full_rows:
-        z = tiles.logits(x_chunk, w, cap, dtype)
-        stats = tiles.tile_stats(z, labels, 0, None, spec.with_sum, spec.with_expected)
-        return tiles.finish(stats), z
+        z = tile_stats.logits(x_chunk, w, cap, dtype)
+        stats = tile_stats.tile_stats(z, labels, 0, None, spec.with_sum, spec.with_expected)
+        return tile_stats.finish(stats), z
 
     width = plan.vocab_chunk
 
-    def tile(j, state: tiles.TileStats) -> tiles.TileStats:
+    def tile(j, state: tile_stats.TileStats) -> tile_stats.TileStats:
         start, first_new = chunk_start(j, width, plan.v)
-        z = tiles.logits(x_chunk, jax.lax.dynamic_slice_in_dim(w, start, width, axis=1), cap, dtype)
-        return tiles.merge(state, tiles.tile_stats(z, labels, start, first_new, spec.with_sum, spec.with_expected))
+        z = tile_stats.logits(x_chunk, jax.lax.dynamic_slice_in_dim(w, start, width, axis=1), cap, dtype)
+        new = tile_stats.tile_stats(z, labels, start, first_new, spec.with_sum, spec.with_expected)
+        return tile_stats.merge(state, new)
 
-    initial = vary_like(tiles.empty_stats(x_chunk.shape[0], spec.with_sum, spec.with_expected), x_chunk, w, labels)
-    return tiles.finish(loop(plan.vocab_chunks, tile, initial)), None
+    initial = vary_like(tile_stats.empty_stats(x_chunk.shape[0], spec.with_sum, spec.with_expected), x_chunk, w, labels)
+    return tile_stats.finish(loop(plan.vocab_chunks, tile, initial)), None
 
 
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, plan: ChunkPlan) -> RowStats:

@@ -8,7 +8,7 @@ materialised reference, instead of four for forward-then-recompute. In vocab-chu
 logits of a chunk are not all held at once, so they are recomputed tile by tile (8NHV).
 
 That needs the gradient order ``"tokens_outer"`` (``dw`` accumulated in float32 across token
-chunks). When the plan says ``"vocab_outer"`` (bf16 ``w``: see :mod:`ce_xla.chunking`), the
+chunks). When the plan says ``"vocab_outer"`` (bf16 ``w``: see :mod:`ce_xla.tiling`), the
 statistics come first and the gradients follow with the vocabulary outer (8NHV, no ``[H, V]``
 float32 accumulator).
 """
@@ -24,9 +24,9 @@ from ce_core import CotangentFn, RowStats, StatsSpec
 from ce_core.extend import vary_like
 from ce_xla import vocab_outer
 from ce_xla.backward import chunk_grads, owned_rows
-from ce_xla.chunking import ChunkPlan
 from ce_xla.forward import chunk_row_stats, row_stats
 from ce_xla.loops import chunk_start, loop
+from ce_xla.tiling import ChunkPlan
 
 
 def row_stats_and_grads(

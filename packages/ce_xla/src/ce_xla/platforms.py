@@ -1,92 +1,15 @@
-"""Per-platform chunk budgets of the ``xla`` backend, the figures behind them, and the target platform.
-
-A chunked pass pays for its memory bound in HBM traffic: every chunk of the outer loop streams the
-operand it does not hold. Arithmetic intensity (flops per HBM byte) must stay above the chip's
-ridge point (peak bf16 flop/s over HBM bytes/s) for the matmuls to run at full speed:
-
-============  ==============  ===========  ==============
-chip          bf16 dense      HBM          ridge point
-============  ==============  ===========  ==============
-TPU v5e       197 TFLOP/s     0.82 TB/s    240 flop/B
-TPU v5p       459 TFLOP/s     2.76 TB/s    166 flop/B
-TPU v6e       918 TFLOP/s     1.64 TB/s    560 flop/B
-A100 SXM      312 TFLOP/s     2.04 TB/s    153 flop/B
-H100 SXM      989 TFLOP/s     3.35 TB/s    295 flop/B
-H200          989 TFLOP/s     4.8 TB/s     206 flop/B
-============  ==============  ===========  ==============
-
-(vendor datasheet figures). With bf16 operands and float32 accumulators the passes give:
-
-- statistics, tokens outer: each token chunk of ``B`` rows streams all of ``w`` (``2HV`` bytes for
-  ``2BHV`` flops): ``B`` flop/B. So ``B >= 1024`` rows on accelerators (above every ridge point,
-  v6e's 560 included); a full-row chunk of 64 MiB holds only 128 rows at V = 128k, so on
-  accelerators the statistics pass takes ``[1024, 16384]`` tiles with an online logsumexp.
-- gradients, vocab outer: each vocab chunk of ``C`` columns streams ``x`` and read-modify-writes
-  the float32 ``dx`` (``10NH`` bytes for ``6NHC`` flops): ``0.6 C`` flop/B, so ``C >= 1024``
-  (614 flop/B); and each ``[R, C]`` tile streams its ``w`` slice (``2HC`` bytes, ``6RHC`` flops):
-  ``3 R`` flop/B, so ``R >= 256``. A 32 MiB float32 ``dw`` slice gives ``C = 2048`` at H = 4096
-  and 1024 at H = 8192; an 8 MiB float32 tile then gives ``R = 1024`` and 2048 rows.
-- every tile's float32 logits go to HBM and back (``~14RC`` bytes for ``6RHC`` flops):
-  ``0.43 H`` flop/B, independent of the chunk sizes; below H ~ 1300 (v6e) that is the bound,
-  and only a kernel that keeps the tile on chip (``pallas_tpu``) avoids it.
-
-Measured ahead of time at N=8192 H=4096 V=128256 bf16, these tiles add 0.4 MiB (v5e, v6e) and
-37 MiB (v5p) to the ``4NH`` float32 ``dx`` (128 MiB); the statistics tiles are dead by then.
-
-On CPU (2-core x86, AVX-512) caches, not bandwidth, set the sizes. The statistics pass keeps the
-full-row rule (64 MiB: 512 rows at V = 32k), and the gradient tiles are smaller: 8 MiB ``dw``
-slices and 2 MiB tiles (at least 256 rows). At N=4096 H=512 V=32768 bf16, timed interleaved on a
-shared machine (load 5-12), vocab-outer tiles of 128x4096, 256x2048, 512x4096, 1024x1024 and
-1024x4096 (rows x columns) all ran within noise of each other, 0.81-0.88x the reference's time;
-64x8192 ran at 0.995x, hence the row floor.
-"""
+"""Deprecated alias of :mod:`ce_xla.target` (renamed in ce-xla 0.3 so that both backends name this role
+alike; this alias goes in 0.4)."""
 
 from __future__ import annotations
 
-import dataclasses
+import warnings
+from typing import Any
 
-import jax
-
-MiB = 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class PlatformBudgets:
-    """Byte budgets (float32 buffers) and row counts that set the default chunk plan on a platform.
-
-    ``logits_bytes``: one statistics tile ``[token_chunk, vocab_chunk]``; tokens-outer full-row
-    chunks also hold it through the fused gradient pass.
-    ``grad_slice_bytes``: tokens outer, one ``dw`` update ``[H, grad_chunk]``.
-    ``stats_rows``: vocab outer, the fewest rows a statistics tile should have (fewer than that
-    fit a full row: the vocabulary is tiled).
-    ``dw_slice_bytes``: vocab outer, the ``dw`` slice ``[H, grad_chunk]`` held across the token loop.
-    ``grad_tile_bytes``: vocab outer, one gradient tile ``[grad_token_chunk, grad_chunk]``.
-    """
-
-    logits_bytes: int = 64 * MiB
-    grad_slice_bytes: int = 64 * MiB
-    stats_rows: int = 1024
-    dw_slice_bytes: int = 32 * MiB
-    grad_tile_bytes: int = 8 * MiB
+from ce_xla import target as _target
 
 
-#: The budgets of each platform; platforms not listed take ``ACCELERATOR``.
-CPU = PlatformBudgets(grad_slice_bytes=8 * MiB, stats_rows=32, dw_slice_bytes=8 * MiB, grad_tile_bytes=2 * MiB)
-ACCELERATOR = PlatformBudgets()
-BUDGETS = {"cpu": CPU, "gpu": ACCELERATOR, "tpu": ACCELERATOR}
-
-
-def budgets_for(platform: str) -> PlatformBudgets:
-    """The budgets of ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``; others as accelerators)."""
-    return BUDGETS.get(platform, ACCELERATOR)
-
-
-def target_platform() -> str:
-    """The platform the code being traced is compiled for.
-
-    The context mesh's device when there is one (ahead-of-time compiles for TPU topologies on a
-    CPU host set it, as does ``jax.set_mesh``), else JAX's default backend.
-    """
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    platform = getattr(device, "platform", None)
-    return platform if platform else jax.default_backend()
+def __getattr__(name: str) -> Any:
+    warnings.warn(f"ce_xla.platforms is now ce_xla.target; ce_xla.platforms.{name} goes in ce-xla 0.4",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(_target, name)

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 
 from ce_core import RowStats, StatsSpec
 from ce_core.extend import vary_like
-from ce_xla import tiles
-from ce_xla.chunking import ChunkPlan
+from ce_xla import tile_stats
 from ce_xla.loops import chunk_start, loop
-from ce_xla.tiles import CONTRACT_COLS, CONTRACT_ROWS
+from ce_xla.tile_stats import CONTRACT_COLS, CONTRACT_ROWS
+from ce_xla.tiling import ChunkPlan
 
 
 def row_stats_grads(
@@ -38,14 +38,14 @@ def row_stats_grads(
     n, v, h = x.shape[0], w.shape[1], w.shape[0]
     rows, width = plan.grad_token_chunk, plan.grad_chunk
     dtype = jnp.promote_types(x.dtype, w.dtype)
-    product_dtype = tiles.grad_dtype(dtype)
+    product_dtype = tile_stats.grad_dtype(dtype)
     cap = spec.logit_soft_cap
 
     def vocab_slice(j, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         dx, dw = carry
         start, first_new = chunk_start(j, width, v)
-        cols = tiles.column_ids(start, width)
-        cols_owned = tiles.column_mask(cols, first_new)
+        cols = tile_stats.column_ids(start, width)
+        cols_owned = tile_stats.column_mask(cols, first_new)
         w_slice = w if width == v else jax.lax.dynamic_slice_in_dim(w, start, width, axis=1)
         w_product = w_slice.astype(product_dtype)
 
@@ -54,9 +54,9 @@ def row_stats_grads(
             row_start, first_row = chunk_start(i, rows, n)
             piece = lambda a: jax.lax.dynamic_slice_in_dim(a, row_start, rows)  # noqa: E731
             x_chunk = piece(x)
-            z = tiles.logits(x_chunk, w_slice, cap, dtype)
+            z = tile_stats.logits(x_chunk, w_slice, cap, dtype)
             owned = _owned(cols_owned, row_start, first_row, rows)
-            delta = tiles.logit_cotangent(z, jax.tree.map(piece, stats), jax.tree.map(piece, cotangent),
+            delta = tile_stats.logit_cotangent(z, jax.tree.map(piece, stats), jax.tree.map(piece, cotangent),
                                           piece(labels), cols, owned, cap).astype(product_dtype)
             dx_rows = piece(dx) + jax.lax.dot_general(delta, w_product, CONTRACT_COLS,
                                                       preferred_element_type=jnp.float32)

@@ -8,7 +8,7 @@ import pytest
 
 from ce_core import BlockSizes, StatsSpec, linear_cross_entropy
 from ce_xla import LOGITS_BUDGET_BYTES, XlaBackend, gradient_order, plan_chunks
-from ce_xla.chunking import MIN_GRAD_CHUNK, MIN_GRAD_TOKEN_CHUNK
+from ce_xla.tiling import MIN_GRAD_CHUNK, MIN_GRAD_TOKEN_CHUNK
 
 
 def test_default_rule_full_rows_within_the_budget():
@@ -135,3 +135,15 @@ def test_forced_order_and_bad_orders():
         XlaBackend(gradient_order="columns_first")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gradient_order"):
         plan_chunks(10, 8, 50, order="columns_first")  # type: ignore[arg-type]
+
+
+def test_the_old_module_names_still_work_with_a_deprecation_warning():
+    import ce_xla.chunking
+    import ce_xla.platforms
+    import ce_xla.target
+    import ce_xla.tiling
+
+    with pytest.warns(DeprecationWarning, match=r"ce_xla.chunking is now ce_xla.tiling"):
+        assert ce_xla.chunking.plan_chunks is ce_xla.tiling.plan_chunks
+    with pytest.warns(DeprecationWarning, match=r"ce_xla.platforms is now ce_xla.target"):
+        assert ce_xla.platforms.target_platform is ce_xla.target.target_platform
