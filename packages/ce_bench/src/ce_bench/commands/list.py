@@ -23,6 +23,7 @@ def main(argv: Sequence[str] = ()) -> int:
     for preset in presets.PRESETS.values():
         cpu_n = preset.cpu_n if preset.cpu_n is not None else preset.n
         print(f"  {preset.name:<10} N={preset.n:<6} cpu N={cpu_n:<6} H={preset.h:<5} V={preset.v:<7} {preset.source}")
-    print(f"default run: {','.join(presets.DEFAULT_RUN_SHAPES)}; default aot: {','.join(presets.DEFAULT_AOT_SHAPES)}")
+    print(f"default run: {','.join(presets.DEFAULT_RUN_SHAPES)} timed, {','.join(presets.DEFAULT_MEMORY_SHAPES)} "
+          f"compiled only; default aot: {','.join(presets.DEFAULT_AOT_SHAPES)}")
     print(f"contenders available here: {', '.join(contenders.default_names())}")
     return 0

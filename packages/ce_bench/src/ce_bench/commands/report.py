@@ -31,8 +31,7 @@ def main(argv: Sequence[str]) -> int:
             records += read_json(path)
         except (OSError, ValueError, TypeError) as error:  # missing, not JSON, or not a list of records
             parser.error(f"cannot read records from {path}: {error}")
-    timed = any(record.fwd_bwd_ms is not None for record in records)
-    print((report.run_table if timed else report.compile_table)(records, args.format))
+    print(report.tables(records, args.format))
     if args.plot:
         from ce_bench.plot import plot
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import textwrap
 import time
 from collections.abc import Sequence
@@ -32,6 +33,11 @@ def run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-only", action="store_true",
                         help="compile and report memory only; execute nothing and refuse no shape for memory "
                              "(presets keep their full N)")
+    parser.add_argument("--memory-shapes", default=None, metavar="S,T",
+                        help="also compile these presets or NxHxV at full N and report their memory without running "
+                             "them, with the reference's temporaries over each backend's (default: "
+                             f"{','.join(presets.DEFAULT_MEMORY_SHAPES)} when --shapes is not given, else none; "
+                             "'none' for none)")
     parser.add_argument("--no-floor", action="store_true", help="do not time the matmul floor")
     parser.add_argument("--oracle-max-elements", type=common.positive_int, default=None, metavar="K",
                         help="measure the error against the float64 oracle only when N*V <= K (default: 2**26)")
@@ -41,12 +47,26 @@ def run_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def memory_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[presets.Shape]:
+    """``--memory-shapes`` at full N (``--tokens`` applies), or a usage error naming the flag."""
+    spec = args.memory_shapes
+    if spec is None:
+        spec = "" if args.shapes else ",".join(presets.DEFAULT_MEMORY_SHAPES)
+    if spec.strip().lower() == "none":
+        return []
+    try:
+        return presets.parse_shapes(spec, reduced_for_cpu=False, default=(), tokens=args.tokens)
+    except ValueError as error:
+        parser.error(f"--memory-shapes: {error}")
+
+
 def main(argv: Sequence[str]) -> int:
     """``ce-bench [options]``."""
     parser = run_parser()
     args = parser.parse_args(argv)
     shapes, dtypes = common.parse_shapes_and_dtypes(parser, args, reduced_for_cpu=not args.compile_only,
                                                     default=presets.DEFAULT_RUN_SHAPES)
+    compiled_shapes = memory_shapes(parser, args)
     common.quiet_libraries()
 
     import jax
@@ -67,12 +87,18 @@ def main(argv: Sequence[str]) -> int:
     mode = "compile only" if args.compile_only else f"{args.repeats} interleaved rounds after {args.warmup} warm-up"
     print(f"ce-bench: {runner.device_description()}, jax {jax.__version__}; backends: {', '.join(names)}")
     print(f"objective={args.reduction}; {mode}; memory budget "
-          f"{'-' if budget is None else f'{budget / GIB:.1f} GiB'}\n", flush=True)
+          f"{'-' if budget is None else f'{budget / GIB:.1f} GiB'}")
+    if compiled_shapes:
+        print(f"compiled only, for their memory at full size: {', '.join(shape.label for shape in compiled_shapes)}")
+    print(flush=True)
     start = time.perf_counter()
     records = runner.run(config, progress=not args.no_progress)
+    if compiled_shapes:
+        compile_config = dataclasses.replace(config, shapes=compiled_shapes, compile_only=True)
+        records += runner.run(compile_config, progress=not args.no_progress)
     elapsed = time.perf_counter() - start
-    table = (report.compile_table if args.compile_only else report.run_table)(records, args.format)
     title = f"ce-bench on {runner.device_description()}" + (" (compile only)" if args.compile_only else "")
-    common.emit(records, args, "ce-bench-compile" if args.compile_only else "ce-bench", table, title)
+    common.emit(records, args, "ce-bench-compile" if args.compile_only else "ce-bench",
+                report.tables(records, args.format), title)
     print(f"\n{len(records)} rows in {elapsed:.0f} s")
     return common.exit_status([record.status for record in records if record.kind == "backend"], "ce-bench")
