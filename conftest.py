@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from ce_core.tpu_host import quiet_libtpu_without_tpu
+from ce_core.contract.tpu_host import quiet_libtpu_without_tpu
 
 # Deviceless TPU compiles load libtpu, which refuses to start while another process holds its
 # lockfile; no TPU is driven here, so several loads are safe.

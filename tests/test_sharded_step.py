@@ -27,7 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ce_core import linear_cross_entropy, linear_log_probs, sharded_linear_cross_entropy
-from ce_core.placement import axes_of, spec_entries
+from ce_core.sharded.placement import axes_of, spec_entries
 from ce_core.testing import max_rel_error, oracle, random_problem
 
 #: The backend_name tests run on 8 simulated devices; interpreted pallas_tpu is covered by the

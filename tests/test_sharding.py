@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ce_core import linear_cross_entropy, sharded_linear_cross_entropy
+from ce_core import linear_cross_entropy, linear_log_probs, sharded_linear_cross_entropy
 from ce_core.testing import Case, compare_with_oracle, max_rel_error, oracle, random_problem
 
 MESH_SHAPES = [(8, 1), (2, 4), (1, 8)]
@@ -222,7 +222,18 @@ def test_wrapper_reshards_inputs_laid_out_otherwise_under_explicit_axes(backend_
     assert max_rel_error(dx, expected["dx"]) < 1e-4 and max_rel_error(dw, expected["dw"]) < 1e-4
 
 
-def test_wrapper_rejects_unknown_keyword_arguments():
+def test_every_function_rejects_unknown_keyword_arguments_by_name():
+    """Type checkers flag a misspelt option (the keywords are typed); at run time it is a ValueError."""
     x, labels, w = random_problem(13, (4,), 8, 16)
-    with pytest.raises(ValueError, match=r"unexpected keyword argument\(s\) \['label_smothing'\]"):
-        sharded_linear_cross_entropy(x, labels, w, mesh=make_mesh(2, 4), label_smothing=0.1)
+    misspelt: dict[str, Any] = {"label_smothing": 0.1}
+    layout: dict[str, Any] = {"in_specs": None}  # the wrapper's layout is batch_axes/vocab_axis
+    reduction: dict[str, Any] = {"reduction": "sum"}  # log-probabilities are per token
+    unknown = r"unexpected keyword argument\(s\) \['label_smothing'\]; it takes \[.*'label_smoothing'"
+    with pytest.raises(ValueError, match=r"sharded_linear_cross_entropy\(\) got " + unknown):
+        sharded_linear_cross_entropy(x, labels, w, mesh=make_mesh(2, 4), **misspelt)
+    with pytest.raises(ValueError, match=r"linear_cross_entropy\(\) got " + unknown):
+        linear_cross_entropy(x, labels, w, **misspelt)
+    with pytest.raises(ValueError, match=r"sharded_linear_cross_entropy\(\) got .*\['in_specs'\]"):
+        sharded_linear_cross_entropy(x, labels, w, mesh=make_mesh(2, 4), **layout)
+    with pytest.raises(ValueError, match=r"linear_log_probs\(\) got .*\['reduction'\]"):
+        linear_log_probs(x, labels, w, **reduction)

@@ -344,7 +344,7 @@ def test_ce_bench_prints_no_libtpu_complaints_on_a_machine_without_tpu() -> None
     import subprocess
     import sys
 
-    from ce_core.tpu_host import host_has_tpu
+    from ce_core.extend import host_has_tpu
 
     assert not host_has_tpu()  # this suite runs on machines without a TPU
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_PLATFORMS"))}

@@ -21,7 +21,7 @@ import pytest
 
 import ce_core
 from ce_bench.contenders import Contender
-from ce_core.testing import max_rel_error, random_problem
+from ce_core.extend import max_rel_error, random_problem
 
 tokamax = pytest.importorskip("tokamax")
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import ce_core
-from ce_core import Backend, FallbackWarning, RowStats, UnsupportedError, linear_cross_entropy, registry
+from ce_core import Backend, FallbackWarning, RowStats, UnsupportedError, linear_cross_entropy
+from ce_core.contract import registry
 from ce_core.testing import random_problem
 from ce_reference import row_stats as reference_row_stats
 

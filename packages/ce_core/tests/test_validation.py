@@ -119,7 +119,7 @@ def test_labels_held_in_shards_are_checked_shard_by_shard_with_global_positions(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ce_core.validation import _check_held_labels
+    from ce_core.api.validation import _check_held_labels
 
     mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
     labels = LABELS.copy()

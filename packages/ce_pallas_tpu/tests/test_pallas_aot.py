@@ -91,7 +91,7 @@ def test_loading_a_topology_prints_no_libtpu_complaints_on_a_machine_without_tpu
     import subprocess
     import sys
 
-    from ce_core.tpu_host import host_has_tpu
+    from ce_core.extend import host_has_tpu
 
     assert not host_has_tpu()  # this suite runs on machines without a TPU
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}

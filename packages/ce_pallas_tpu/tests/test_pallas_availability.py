@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ce_core
-from ce_core.testing import random_problem
+from ce_core.extend import random_problem
 
 
 def test_registered_with_the_current_contract():

@@ -16,7 +16,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import ce_pallas_tpu
 from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy
-from ce_core.testing import Case, compare_with_oracle, random_problem
+from ce_core.extend import Case, compare_with_oracle, random_problem
 from ce_reference import row_stats as reference_row_stats
 
 

@@ -11,7 +11,7 @@ from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
 from ce_pallas_tpu import cost_model, tiling, tune
 from ce_pallas_tpu.ops import problem_shape
 from ce_pallas_tpu.target import CHIP_FACTS, Target, active_cores, current_target
-from ce_pallas_tpu.tiling import KernelTiles, TunedEntry
+from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 

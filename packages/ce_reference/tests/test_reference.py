@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ce_core
-from ce_core.testing import oracle, random_problem
+from ce_core.extend import oracle, random_problem
 from ce_reference import ReferenceBackend, make_backend
 
 

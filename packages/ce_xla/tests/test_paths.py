@@ -23,8 +23,15 @@ import numpy as np
 import pytest
 
 from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy, linear_log_probs
-from ce_core.registry import register_backend, unregister_backend
-from ce_core.testing import Case, compare_with_oracle, log_probs_oracle, max_rel_error, random_problem
+from ce_core.extend import (
+    Case,
+    compare_with_oracle,
+    log_probs_oracle,
+    max_rel_error,
+    random_problem,
+    register_backend,
+    unregister_backend,
+)
 from ce_xla import XlaBackend
 
 ORDERS = ("tokens_outer", "vocab_outer")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ce_bench.memory import gib, oracle_bytes
-from ce_core.testing import max_rel_error
+from ce_core.extend import max_rel_error
 
 DEFAULT_MAX_ELEMENTS = 2**26
 

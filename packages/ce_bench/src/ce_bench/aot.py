@@ -31,7 +31,7 @@ from ce_bench.contenders import Contender, default_names, tokamax_installed, tok
 from ce_bench.presets import Shape
 from ce_bench.records import Record, classify, short_reason
 from ce_bench.runner import Progress, compile_programs, input_structs
-from ce_core.testing import CompileResult
+from ce_core.extend import CompileResult
 
 #: ``--target`` choices: the generations ``ce_pallas_tpu.aot`` has a one-chip topology for.
 TOPOLOGIES: dict[str, str] = {

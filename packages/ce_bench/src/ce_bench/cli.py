@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from ce_bench.commands import run
 from ce_bench.commands.common import SUBCOMMANDS
-from ce_core.tpu_host import quiet_libtpu_without_tpu
+from ce_core.extend import quiet_libtpu_without_tpu
 
 
 def main(argv: Sequence[str] | None = None) -> int:

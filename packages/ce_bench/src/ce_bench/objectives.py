@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ce_core
-from ce_core.testing import log_probs_oracle, oracle
+from ce_core.extend import log_probs_oracle, oracle
 
 OBJECTIVES = ("mean", "sum", "none", "rl")
 RL_ENTROPY_WEIGHT = 0.01

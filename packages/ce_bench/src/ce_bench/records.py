@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ce_core.testing import CompileResult
+from ce_core.extend import CompileResult
 
 #: Row statuses. ``ok``: timed; ``compiled``: compile-only / AOT success; ``unsupported``: the
 #: implementation declined the call (UnsupportedError / NotImplementedError); ``failed``: it raised;

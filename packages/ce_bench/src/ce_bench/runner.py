@@ -31,7 +31,7 @@ from ce_bench.floor import FLOOR_NAME, floor_bytes, floor_programs
 from ce_bench.presets import Shape
 from ce_bench.records import Record, classify, short_reason
 from ce_bench.timing import block, interleaved
-from ce_core.testing import CompileResult
+from ce_core.extend import CompileResult
 
 #: Share of the available memory a run may plan to use by default.
 DEFAULT_BUDGET_FRACTION = 0.8

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ce_bench.records import Record, classify, short_reason
-from ce_core.testing import compile_program
+from ce_core.extend import compile_program
 
 DEVICE_COUNT = 8
 DEFAULT_MESHES = ((1, 1), (8, 1), (2, 4), (1, 8))

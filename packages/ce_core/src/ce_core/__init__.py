@@ -3,7 +3,18 @@
 Importing this package imports no backend; a backend is loaded the first time its name is used.
 """
 
-from ce_core.backend import (
+from ce_core.api.log_probs import linear_log_probs
+from ce_core.api.loss import linear_cross_entropy
+from ce_core.api.options import (
+    LogitOptions,
+    LogProbsOptions,
+    LossOptions,
+    LossTerms,
+    PlacementOptions,
+    ShardedLossOptions,
+)
+from ce_core.api.sharding import sharded_linear_cross_entropy
+from ce_core.contract.backend import (
     CONTRACT_VERSION,
     SUPPORTED_CONTRACT_VERSIONS,
     Backend,
@@ -13,11 +24,9 @@ from ce_core.backend import (
     StatsSpec,
     localize_cotangent,
 )
-from ce_core.block_sizes import BlockSizes
-from ce_core.errors import FallbackWarning, UnsupportedError
-from ce_core.log_probs import linear_log_probs
-from ce_core.loss import linear_cross_entropy
-from ce_core.registry import (
+from ce_core.contract.block_sizes import BlockSizes
+from ce_core.contract.errors import FallbackWarning, UnsupportedError
+from ce_core.contract.registry import (
     available_backends,
     default_chain,
     get_backend,
@@ -25,8 +34,7 @@ from ce_core.registry import (
     register_backend,
     unregister_backend,
 )
-from ce_core.sharding import sharded_linear_cross_entropy
-from ce_core.tile_report import PassTiles, TileReport
+from ce_core.contract.tile_report import PassTiles, TileReport
 
 __version__ = "0.2.0"
 
@@ -37,9 +45,15 @@ __all__ = [
     "BlockSizes",
     "CotangentFn",
     "FallbackWarning",
+    "LogProbsOptions",
+    "LogitOptions",
+    "LossOptions",
+    "LossTerms",
     "PassTiles",
+    "PlacementOptions",
     "Problem",
     "RowStats",
+    "ShardedLossOptions",
     "StatsSpec",
     "TileReport",
     "UnsupportedError",

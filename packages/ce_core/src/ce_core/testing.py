@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ce_core.compiled import CompileResult, compile_program
-from ce_core.loss import linear_cross_entropy
+from ce_core.api.loss import linear_cross_entropy
+from ce_core.contract.compiled import CompileResult, compile_program
 
 __all__ = [
     "TOLERANCES",

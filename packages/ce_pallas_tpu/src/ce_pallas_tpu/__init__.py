@@ -10,7 +10,8 @@ ahead-of-time compilation. See the package README.
 from ce_pallas_tpu.backend import PallasTpuBackend, make_backend
 from ce_pallas_tpu.ops import make_plan, row_stats
 from ce_pallas_tpu.target import Target, current_target
-from ce_pallas_tpu.tiling import FittedTiles, KernelTiles, Tiles, TunedEntry, shape_bucket
+from ce_pallas_tpu.tile_types import FittedTiles, KernelTiles, Tiles, TunedEntry
+from ce_pallas_tpu.tiling import shape_bucket
 from ce_pallas_tpu.tuned import TUNED
 
 __version__ = "0.2.0"

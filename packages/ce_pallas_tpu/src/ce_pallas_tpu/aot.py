@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ce_core
-from ce_core.testing import CompileResult, compile_program
-from ce_core.tpu_host import quiet_libtpu_without_tpu
+from ce_core.extend import CompileResult, compile_program, quiet_libtpu_without_tpu
 from ce_pallas_tpu.target import targeting
 
 #: Generation -> (topology name of one chip, extra topology options). v4 and v5p are taken in

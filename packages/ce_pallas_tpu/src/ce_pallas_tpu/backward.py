@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ce_core.varying import vary, varying_axes_of
+from ce_core.extend import vary, varying_axes_of
 from ce_pallas_tpu import common
 
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ce_core.varying import vary, varying_axes_of
+from ce_core.extend import vary, varying_axes_of
 from ce_pallas_tpu import common, tile_stats
 from ce_pallas_tpu.layout import LANES, forward_column_chunk
 

@@ -23,6 +23,7 @@ from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
+from ce_pallas_tpu.tile_types import Tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Plan:
     v: int
     forward: ForwardConfig
     backward: BackwardConfig
-    tiles: tiling.Tiles
+    tiles: Tiles
 
     @property
     def hp(self) -> int:

@@ -31,75 +31,13 @@ from ce_pallas_tpu import cost_model
 from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.layout import LANES, SUBLANES, round_up
 from ce_pallas_tpu.target import CHIP_FACTS, Target
+from ce_pallas_tpu.tile_types import FittedTiles, KernelTiles, Tiles, TunedEntry
 
 #: Share of a core's VMEM the chosen tiles may use; the rest is Mosaic's internal scratch and slack.
 VMEM_BUDGET_FRACTION = 0.8
 #: Scoped-VMEM limit handed to Mosaic, as a share of the core's VMEM.
 VMEM_LIMIT_FRACTION = 0.9
 
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelTiles:
-    """Token block ``block_b``, hidden block/chunk ``block_h`` (``None``: whole hidden dim), vocab block
-    ``block_v``.
-
-    ``w_buffers``: the backward's VMEM buffers for its ``w`` and ``dw`` blocks (``None``: two where
-    the VMEM model says they fit, else one); the forward ignores it.
-    """
-
-    block_b: int
-    block_h: int | None
-    block_v: int
-    w_buffers: int | None = None
-
-    @property
-    def sizes(self) -> tuple[int, int | None, int]:
-        """``(block_b, block_h, block_v)``."""
-        return self.block_b, self.block_h, self.block_v
-
-
-@dataclasses.dataclass(frozen=True)
-class FittedTiles(KernelTiles):
-    """Kernel tiles fitted to one problem: the hidden block/chunk ``block_h`` is always set (it divides ``Hp``)."""
-
-    block_h: int
-
-    @property
-    def sizes(self) -> tuple[int, int, int]:
-        """``(block_b, block_h, block_v)``, all set."""
-        return self.block_b, self.block_h, self.block_v
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Tiles of both kernels and where they came from (``table:<gen>/<bucket>``, ``inferred``...)."""
-
-    forward: FittedTiles
-    backward: FittedTiles
-    source: str
-
-
-@dataclasses.dataclass(frozen=True)
-class TunedEntry:
-    """One entry of the tuned table: both kernels' tiles and the static schedule they were kept for.
-
-    The figures are libtpu's static schedule at the bucket's example shape in bfloat16
-    (:mod:`ce_pallas_tpu.schedule`): ``*_ratio`` is the estimated cycles per grid step over the
-    fewest its matmuls need on the generation's MXUs (1.0: matmul-bound), ``*_hbm_us`` and
-    ``*_mxu_us`` the step's HBM traffic at the core's bandwidth and its MXU minimum, in
-    microseconds. ``None`` where nothing was measured; ``note`` then says why.
-    """
-
-    forward: KernelTiles
-    backward: KernelTiles
-    forward_ratio: float | None = None
-    backward_ratio: float | None = None
-    forward_hbm_us: float | None = None
-    forward_mxu_us: float | None = None
-    backward_hbm_us: float | None = None
-    backward_mxu_us: float | None = None
-    note: str | None = None
 
 
 #: Shape buckets, first match wins (N tokens, H hidden, V vocab).

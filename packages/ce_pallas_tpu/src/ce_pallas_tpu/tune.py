@@ -34,7 +34,8 @@ from ce_pallas_tpu.cost_model import Shape, backward_bytes, forward_bytes
 from ce_pallas_tpu.layout import LANES, round_up
 from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
 from ce_pallas_tpu.target import CHIP_FACTS, Target
-from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, KernelTiles, TunedEntry, fit_tiles, tuned_table, vmem_limit
+from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry
+from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, fit_tiles, tuned_table, vmem_limit
 
 #: Candidates may exceed the usable VMEM by this factor in the model: the compile decides.
 VMEM_PREFILTER_SLACK = 1.35
@@ -356,7 +357,7 @@ def render_module(table: Mapping[tuple[str, str], TunedEntry], libtpu: Mapping[s
         "``*_hbm_us``/``*_mxu_us`` the step's HBM and MXU time in microseconds (``tiling.TunedEntry``).",
         '"""',
         "",
-        "from ce_pallas_tpu.tiling import KernelTiles, TunedEntry",
+        "from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry",
         "",
         "#: The libtpu version each generation's entries were measured with.",
         f"LIBTPU: dict[str, str] = {dict(sorted(libtpu.items(), key=lambda item: _order((item[0], ''))))!r}",

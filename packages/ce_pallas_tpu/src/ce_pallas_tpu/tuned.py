@@ -7,7 +7,7 @@ in bfloat16: ``*_ratio`` is libtpu's estimated cycles per grid step over the MXU
 ``*_hbm_us``/``*_mxu_us`` the step's HBM and MXU time in microseconds (``tiling.TunedEntry``).
 """
 
-from ce_pallas_tpu.tiling import KernelTiles, TunedEntry
+from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry
 
 #: The libtpu version each generation's entries were measured with.
 LIBTPU: dict[str, str] = {'v5e': '0.0.52', 'v5p': '0.0.52', 'v6e': '0.0.52', 'tpu7x': '0.0.52'}

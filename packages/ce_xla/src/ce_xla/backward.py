@@ -13,13 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import RowStats, StatsSpec
-from ce_core.varying import vary_like
+from ce_core.extend import vary_like
 from ce_xla import tiles, vocab_outer
 from ce_xla.chunking import ChunkPlan
 from ce_xla.loops import chunk_start, loop
-
-_CONTRACT_COLS = (((1,), (1,)), ((), ()))  # delta [rows, c] x w_tile [H, c] -> [rows, H]
-_CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # x [rows, H] x delta [rows, c] -> [H, c]
+from ce_xla.tiles import CONTRACT_COLS, CONTRACT_ROWS
 
 
 def chunk_grads(
@@ -60,9 +58,9 @@ def chunk_grads(
             z_tile = z if width == plan.v else jax.lax.dynamic_slice_in_dim(z, start, width, axis=1)
         delta = tiles.logit_cotangent(z_tile, stats, cotangent, labels, cols, tiles.column_mask(cols, first_new), cap)
         delta = delta.astype(product_dtype)
-        dx = dx + jax.lax.dot_general(delta, w_tile.astype(product_dtype), _CONTRACT_COLS,
+        dx = dx + jax.lax.dot_general(delta, w_tile.astype(product_dtype), CONTRACT_COLS,
                                       preferred_element_type=jnp.float32)
-        dw_tile = jax.lax.dot_general(x_for_dw, delta, _CONTRACT_ROWS, preferred_element_type=jnp.float32)
+        dw_tile = jax.lax.dot_general(x_for_dw, delta, CONTRACT_ROWS, preferred_element_type=jnp.float32)
         if width == plan.v:
             return dx, dw + dw_tile
         dw_tile = jax.lax.dynamic_slice_in_dim(dw, start, width, axis=1) + dw_tile

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import RowStats, StatsSpec
-from ce_core.varying import vary_like
+from ce_core.extend import vary_like
 from ce_xla import tiles
 from ce_xla.chunking import ChunkPlan
 from ce_xla.loops import chunk_start, loop

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import CotangentFn, RowStats, StatsSpec
-from ce_core.varying import vary_like
+from ce_core.extend import vary_like
 from ce_xla import vocab_outer
 from ce_xla.backward import chunk_grads, owned_rows
 from ce_xla.chunking import ChunkPlan

@@ -18,6 +18,12 @@ import jax.numpy as jnp
 
 from ce_core import RowStats
 
+#: ``dot_general`` dimension numbers of the two gradient products of a tile of ``delta`` [rows, c]:
+#: ``dx``: delta x w_tile [H, c] -> [rows, H] (contract the columns);
+#: ``dw``: x [rows, H] x delta -> [H, c] (contract the rows).
+CONTRACT_COLS = (((1,), (1,)), ((), ()))
+CONTRACT_ROWS = (((0,), (0,)), ((), ()))
+
 
 def logits(x_chunk: jax.Array, w_tile: jax.Array, cap: float | None, dtype: jnp.dtype) -> jax.Array:
     """``cap(x_chunk @ w_tile)`` in float32, the product taken in ``dtype`` with float32 accumulation."""
@@ -127,7 +133,7 @@ def logit_cotangent(
     valid: jax.Array | None,
     cap: float | None,
 ) -> jax.Array:
-    """``delta`` of one tile, float32: the contract's logit cotangent (see :mod:`ce_core.backend`) times ``cap'(z)``.
+    """``delta`` of one tile, float32: the contract's logit cotangent times ``cap'(z)``.
 
     ``g_lse p + g_label [col == label] + g_sum + g_expected p (1 + z - expected)``, with ``p`` the
     softmax against the rows' ``stats.lse`` (which may cover a larger vocabulary than this tile's

@@ -18,13 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import RowStats, StatsSpec
-from ce_core.varying import vary_like
+from ce_core.extend import vary_like
 from ce_xla import tiles
 from ce_xla.chunking import ChunkPlan
 from ce_xla.loops import chunk_start, loop
-
-_CONTRACT_COLS = (((1,), (1,)), ((), ()))  # delta [rows, c] x w_slice [H, c] -> [rows, H]
-_CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # x [rows, H] x delta [rows, c] -> [H, c]
+from ce_xla.tiles import CONTRACT_COLS, CONTRACT_ROWS
 
 
 def row_stats_grads(
@@ -60,9 +58,9 @@ def row_stats_grads(
             owned = _owned(cols_owned, row_start, first_row, rows)
             delta = tiles.logit_cotangent(z, jax.tree.map(piece, stats), jax.tree.map(piece, cotangent),
                                           piece(labels), cols, owned, cap).astype(product_dtype)
-            dx_rows = piece(dx) + jax.lax.dot_general(delta, w_product, _CONTRACT_COLS,
+            dx_rows = piece(dx) + jax.lax.dot_general(delta, w_product, CONTRACT_COLS,
                                                       preferred_element_type=jnp.float32)
-            dw_slice = dw_slice + jax.lax.dot_general(x_chunk.astype(product_dtype), delta, _CONTRACT_ROWS,
+            dw_slice = dw_slice + jax.lax.dot_general(x_chunk.astype(product_dtype), delta, CONTRACT_ROWS,
                                                       preferred_element_type=jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(dx, dx_rows, row_start, 0), dw_slice
 

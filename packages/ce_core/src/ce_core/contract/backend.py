@@ -28,9 +28,9 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ce_core.block_sizes import BlockSizes
-from ce_core.tile_report import TileReport
-from ce_core.varying import vary_like
+from ce_core.contract.block_sizes import BlockSizes
+from ce_core.contract.tile_report import TileReport
+from ce_core.contract.varying import vary_like
 
 #: Bumped whenever the contract below changes. A backend declares the version it was written
 #: against; the registry accepts the versions in :data:`SUPPORTED_CONTRACT_VERSIONS` and refuses a
@@ -115,7 +115,7 @@ class Backend(abc.ABC):
     default_priority: ClassVar[Mapping[str, int]] = MappingProxyType({})
     #: Whether ``jax.vmap`` can batch this backend's functions itself. ``False`` (kernels Pallas cannot
     #: batch): ce_core runs a mapped call with the batch folded into the tokens, or example by example
-    #: where each needs its own ``dw`` (:mod:`ce_core.batching`).
+    #: where each needs its own ``dw`` (:mod:`ce_core.sharded.batching`).
     batchable: ClassVar[bool] = True
 
     def is_available(self) -> bool:

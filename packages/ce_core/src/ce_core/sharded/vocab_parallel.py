@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ce_core.backend import RowStats
+from ce_core.contract.backend import RowStats
 
 
 def vocab_shards(axes: tuple[str, ...]) -> int:

@@ -29,13 +29,26 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ce_core.shard_ops import ShardAxes
-
 #: One entry of a PartitionSpec: no axis, one axis name, or a tuple of names (major to minor).
 SpecEntry = str | tuple[str, ...] | None
 AnyMesh = Mesh | AbstractMesh
 #: ``(x_spec, w_spec)``: how the caller's ``x`` and ``w`` are split over the mesh (the ``in_specs`` option).
 InSpecs = tuple[PartitionSpec, PartitionSpec]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardAxes:
+    """The mesh axes one shard's computation is split over.
+
+    ``typed``: values carry their varying axes (inside ``shard_map``), so a gradient is summed over
+    the axes it varies over and its primal does not. Otherwise (one device, or the caller's
+    ``vocab_axis_name`` outside a typed ``shard_map``) ``dw`` is summed over ``tokens`` and ``dx`` over
+    ``vocab``.
+    """
+
+    tokens: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+    typed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +59,7 @@ class Placement:
     ``vocab_axes`` the axes splitting V (``"shard_map"``, or the caller's ``vocab_axis_name``
     under ``"local"``). ``typed``: a ``"local"`` call inside the caller's ``shard_map``.
     ``flat_tokens``: the tokens are flattened to one dimension and padded with ignored tokens to a
-    multiple of the token shards before the call (:class:`ce_core.flat_tokens.FlatTokens`), and
+    multiple of the token shards before the call (:class:`ce_core.sharded.flat_tokens.FlatTokens`), and
     ``token_spec`` has one entry for that dimension. ``stated``: the caller's ``in_specs``; inputs
     are constrained to them first, so the gradients come back laid out as the caller's arrays are.
     """

@@ -1,7 +1,7 @@
 """A ``vmap`` rule for per-shard functions, from the kinds of their arrays.
 
 A backend whose kernels Pallas cannot batch (``Backend.batchable = False``) gets this rule, on every
-placement. It knows what the arrays mean (:class:`ce_core.shard_ops.ShardFn` declares each one's kind):
+placement. It knows what the arrays mean (:class:`ce_core.sharded.shard_ops.ShardFn` declares each one's kind):
 
 - outputs all per token, ``w`` not mapped: the mapped axis is one more token dimension (arrays keep
   their leading token dimensions), so the op runs once on the folded batch;
@@ -12,12 +12,14 @@ placement. It knows what the arrays mean (:class:`ce_core.shard_ops.ShardFn` dec
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from ce_core.shard_ops import ShardFn
+if TYPE_CHECKING:
+    from ce_core.sharded.shard_ops import ShardFn
 
 Op = Callable[..., tuple[jax.Array, ...]]
 

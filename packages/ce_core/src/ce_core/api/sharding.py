@@ -3,88 +3,49 @@
 :func:`ce_core.linear_cross_entropy` already follows the shardings its inputs carry. This wrapper is
 for the other case: the caller says how to split (``batch_axes``, ``vocab_axis``) and the inputs
 are laid out that way first (resharded: a slice, or a gather where they were split differently),
-then run under ``jax.shard_map`` like an explicitly sharded call (:mod:`ce_core.placement`).
+then run under ``jax.shard_map`` like an explicitly sharded call (:mod:`ce_core.sharded.placement`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, overload
+from typing import Literal, Unpack, overload
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.typing import ArrayLike
 
-from ce_core import validation
-from ce_core.loss import loss_with_placement
-from ce_core.placement import Placement, axes_of, typed_mesh, without_trivial_axes
+from ce_core.api import validation
+from ce_core.api.loss import loss_with_placement
+from ce_core.api.options import Options, ShardedLossOptions
+from ce_core.sharded.placement import Placement, axes_of, typed_mesh, without_trivial_axes
 
 
 @overload
-def sharded_linear_cross_entropy(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    mesh: Mesh | AbstractMesh,
-    batch_axes: str | Sequence[str] = ...,
-    vocab_axis: str | None = ...,
-    reduction: str = ...,
-    weights: ArrayLike | None = ...,
-    ignore_index: int = ...,
-    return_lse: Literal[False] = ...,
-    **loss_kwargs: Any,
-) -> jax.Array: ...
+def sharded_linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, mesh: Mesh | AbstractMesh,
+                                 batch_axes: str | Sequence[str] = ..., vocab_axis: str | None = ...,
+                                 return_lse: Literal[False] = ..., **options: Unpack[ShardedLossOptions]
+                                 ) -> jax.Array: ...
 
 
 @overload
-def sharded_linear_cross_entropy(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    mesh: Mesh | AbstractMesh,
-    batch_axes: str | Sequence[str] = ...,
-    vocab_axis: str | None = ...,
-    reduction: str = ...,
-    weights: ArrayLike | None = ...,
-    ignore_index: int = ...,
-    return_lse: Literal[True],
-    **loss_kwargs: Any,
-) -> tuple[jax.Array, jax.Array]: ...
+def sharded_linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, mesh: Mesh | AbstractMesh,
+                                 batch_axes: str | Sequence[str] = ..., vocab_axis: str | None = ...,
+                                 return_lse: Literal[True], **options: Unpack[ShardedLossOptions]
+                                 ) -> tuple[jax.Array, jax.Array]: ...
 
 
 @overload
-def sharded_linear_cross_entropy(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    mesh: Mesh | AbstractMesh,
-    batch_axes: str | Sequence[str] = ...,
-    vocab_axis: str | None = ...,
-    reduction: str = ...,
-    weights: ArrayLike | None = ...,
-    ignore_index: int = ...,
-    return_lse: bool = ...,
-    **loss_kwargs: Any,
-) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+def sharded_linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, mesh: Mesh | AbstractMesh,
+                                 batch_axes: str | Sequence[str] = ..., vocab_axis: str | None = ...,
+                                 return_lse: bool, **options: Unpack[ShardedLossOptions]
+                                 ) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
-def sharded_linear_cross_entropy(
-    x: ArrayLike,
-    labels: ArrayLike,
-    w: ArrayLike,
-    *,
-    mesh: Mesh | AbstractMesh,
-    batch_axes: str | Sequence[str] = ("data",),
-    vocab_axis: str | None = None,
-    reduction: str = "mean",
-    weights: ArrayLike | None = None,
-    ignore_index: int = -100,
-    return_lse: bool = False,
-    **loss_kwargs: Any,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def sharded_linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, mesh: Mesh | AbstractMesh,
+                                 batch_axes: str | Sequence[str] = ("data",), vocab_axis: str | None = None,
+                                 return_lse: bool = False, **options: Unpack[ShardedLossOptions]
+                                 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`ce_core.linear_cross_entropy` with tokens split over ``batch_axes`` and ``w`` over ``vocab_axis``.
 
     The value and gradients equal the unsharded call. The flattened token dimension is split over
@@ -92,44 +53,31 @@ def sharded_linear_cross_entropy(
     ``w`` is split over ``vocab_axis`` on V, which must divide V. ``"mean"`` is the global weighted
     sum over the global weight sum (0 when that is 0). ``mesh`` may have any axis types, and the
     inputs any sharding: they are resharded to this layout. ``dx`` comes back split over the tokens
-    and ``dw`` over ``vocab_axis``. Other keyword arguments (``logsumexp_weight``,
-    ``logit_soft_cap``, ``label_smoothing``, ``temperature``, ``implementation``, ``block_sizes``, ``precision``) pass
-    through.
+    and ``dw`` over ``vocab_axis``. The other keyword options are the loss's
+    (:class:`ce_core.ShardedLossOptions`: those of :func:`ce_core.linear_cross_entropy` but its
+    layout options, ``vocab_axis_name`` and ``in_specs``, which this function's arguments replace).
     Works on one host or many (after ``jax.distributed.initialize()``), with any backend.
     """
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
     _check_mesh(mesh, batch_axes, vocab_axis)
+    settings, weights = Options.of("sharded_linear_cross_entropy", ShardedLossOptions, options)
     x, labels, w, weights = validation.input_arrays(x, labels, w, weights)
-    unknown = sorted(set(loss_kwargs) - _PASS_THROUGH)
-    if unknown:
-        raise ValueError(f"unexpected keyword argument(s) {unknown}; sharded_linear_cross_entropy passes on "
-                         f"{sorted(_PASS_THROUGH)}")
-    options = {**_DEFAULTS, **loss_kwargs}
-    validation.check_options(reduction, ignore_index, options["logsumexp_weight"], options["logit_soft_cap"],
-                             options["label_smoothing"])
-    validation.check_temperature(options["temperature"])
-    options["precision"] = validation.check_precision(options["precision"])
     vocab = w.shape[1]
     if vocab_axis is not None and vocab % mesh.shape[vocab_axis]:
         raise ValueError(
             f"vocab size V={vocab} (w of shape {w.shape}) is not divisible by the {mesh.shape[vocab_axis]} "
             f"shards of vocab_axis={vocab_axis!r}; pad w's vocab to a multiple of it"
         )
-    validation.check_concrete_labels(labels, vocab, ignore_index)
+    validation.check_concrete_labels(labels, vocab, settings.ignore_index)
 
     run_mesh = _mesh_for(mesh, x, w)
     token_entry = without_trivial_axes(batch_axes, run_mesh)
     vocab_axes = axes_of(without_trivial_axes(vocab_axis, run_mesh))
     placement = Placement("shard_map", mesh=run_mesh, token_spec=(token_entry,), vocab_axes=vocab_axes,
                           flat_tokens=True)
-    loss, lse = loss_with_placement(x, labels, w, placement, reduction=reduction, weights=weights,
-                                    ignore_index=ignore_index, return_lse=return_lse, **options)
+    loss, lse = loss_with_placement(x, labels, w, placement, weights=weights, options=settings,
+                                    return_lse=bool(return_lse))
     return loss if lse is None else (loss, lse)
-
-
-_DEFAULTS: dict[str, Any] = dict(logsumexp_weight=0.0, logit_soft_cap=None, label_smoothing=0.0, temperature=1.0,
-                                 implementation=None, block_sizes=None, precision=None)
-_PASS_THROUGH = frozenset(_DEFAULTS)
 
 
 def _mesh_for(mesh: Mesh | AbstractMesh, *values: jax.Array) -> Mesh | AbstractMesh:

@@ -4,11 +4,11 @@ A call is split over devices along two kinds of mesh axes (:class:`ShardAxes`): 
 the rows of ``x`` (data parallelism), *vocab* axes split the columns of ``w`` (vocab parallelism).
 Each function here runs on one shard, calls the backend on it, and combines shards explicitly:
 
-- statistics: a stable logsumexp and sums over the vocab axes (:mod:`ce_core.vocab_parallel`);
+- statistics: a stable logsumexp and sums over the vocab axes (:mod:`ce_core.sharded.vocab_parallel`);
 - ``dx``: summed over the vocab axes (each vocab shard holds part of ``delta @ w.T``);
 - ``dw``: summed over the token axes (each token shard holds part of ``x.T @ delta``).
 
-Nothing here is differentiated through: :mod:`ce_core.ops` wraps these functions in custom VJPs, so
+Nothing here is differentiated through: :mod:`ce_core.sharded.ops` wraps these functions in custom VJPs, so
 the same code runs whole on one device and inside ``jax.shard_map``. Each function is a frozen
 dataclass (hashable, so the op built around it can be cached) taking and returning flat tuples of
 arrays, with the kind of every array declared:
@@ -22,24 +22,10 @@ from typing import Any
 
 import jax
 
-from ce_core.backend import Backend, CotangentFn, RowStats, StatsSpec, localize_cotangent
-from ce_core.varying import align_varying, psum_to, vary_like
-from ce_core.vocab_parallel import combine_vocab_shards, vocab_offset
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardAxes:
-    """The mesh axes one shard's computation is split over.
-
-    ``typed``: values carry their varying axes (inside ``shard_map``), so a gradient is summed over
-    the axes it varies over and its primal does not. Otherwise (one device, or the caller's
-    ``vocab_axis_name`` outside a typed ``shard_map``) ``dw`` is summed over ``tokens`` and ``dx`` over
-    ``vocab``.
-    """
-
-    tokens: tuple[str, ...] = ()
-    vocab: tuple[str, ...] = ()
-    typed: bool = False
+from ce_core.contract.backend import Backend, CotangentFn, RowStats, StatsSpec, localize_cotangent
+from ce_core.contract.varying import align_varying, psum_to, vary_like
+from ce_core.sharded.placement import ShardAxes
+from ce_core.sharded.vocab_parallel import combine_vocab_shards, vocab_offset
 
 
 def _sum_to(grad: jax.Array, primal: jax.Array, declared: tuple[str, ...], axes: ShardAxes) -> jax.Array:

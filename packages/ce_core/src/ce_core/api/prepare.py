@@ -1,6 +1,6 @@
 """What every entry point does before the backend runs: place inputs, choose a backend, make labels safe.
 
-The loss (:mod:`ce_core.loss`) and the log-probabilities (:mod:`ce_core.log_probs`) are both built
+The loss (:mod:`ce_core.api.loss`) and the log-probabilities (:mod:`ce_core.api.log_probs`) are both built
 from row statistics of the same logits; this module turns validated arguments into a
 :class:`PreparedCall` holding everything those statistics need.
 
@@ -13,21 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from ce_core import ops, validation
-from ce_core.backend import Backend, Problem, RowStats, StatsSpec
-from ce_core.block_sizes import BlockSizes
-from ce_core.flat_tokens import FlatTokens
-from ce_core.placement import Placement
-from ce_core.registry import select_backend
-from ce_core.varying import align_varying
-from ce_core.vocab_parallel import vocab_shards
+from ce_core.api import validation
+from ce_core.api.options import Options
+from ce_core.contract.backend import Backend, Problem, RowStats, StatsSpec
+from ce_core.contract.registry import select_backend
+from ce_core.contract.varying import align_varying
+from ce_core.sharded import ops
+from ce_core.sharded.flat_tokens import FlatTokens
+from ce_core.sharded.placement import Placement
+from ce_core.sharded.vocab_parallel import vocab_shards
 
 
 @dataclasses.dataclass
@@ -71,18 +72,12 @@ def prepare(
     placement: Placement,
     *,
     weights: jax.Array | None,
-    ignore_index: int,
-    logit_soft_cap: float | None,
-    temperature: float,
+    options: Options,
     with_sum: bool,
     with_expected: bool,
-    implementation: str | Sequence[str] | None,
-    block_sizes: BlockSizes | None,
-    precision: str | None = None,
 ) -> PreparedCall:
     """A :class:`PreparedCall` from validated arguments."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes must be None or a ce_core.BlockSizes, got {block_sizes!r}")
+    ignore_index, logit_soft_cap, temperature = options.ignore_index, options.logit_soft_cap, options.temperature
     hidden, local_vocab = w.shape
     if placement.kind == "local" and placement.vocab_axes:
         vocab = local_vocab * vocab_shards(placement.vocab_axes)
@@ -102,44 +97,39 @@ def prepare(
     spec = StatsSpec(
         logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
         with_sum=with_sum,
-        block_sizes=block_sizes,
+        block_sizes=options.block_sizes,
         with_expected=with_expected,
-        precision=precision,
+        precision=options.precision,
     )
     problem = Problem(labels.size // placement.token_shards(), hidden, local_vocab // placement.vocab_shards(),
                       x.dtype, w.dtype, spec, placement.kind)
-    backend = select_backend(implementation, problem)
+    backend = select_backend(options.implementation, problem)
 
     y = labels.astype(jnp.int32)
     counted = y != ignore_index
     in_vocab = (y >= 0) & (y < vocab)
     nan_if_bad = jnp.where(counted & ~in_vocab, jnp.nan, 0.0).astype(jnp.float32)
     safe_y = jnp.where(counted & in_vocab, y, 0)
-    if placement.typed:  # inside the caller's shard_map: see ce_core.varying.align_varying
+    if placement.typed:  # inside the caller's shard_map: see ce_core.contract.varying.align_varying
         x, w, safe_y = align_varying(x, w, safe_y)
     return PreparedCall(x, w, safe_y, counted, nan_if_bad, weights, backend, spec, placement, vocab, flat)
 
 
-def run_placed(fn: Callable[..., Any], x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement,
-               **options: Any) -> Any:
-    """``fn(x, labels, w, placement, **options)``, as one jitted program where the placement needs it.
+def run_placed(fn: Callable[..., Any], x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *,
+               weights: jax.Array | None = None, options: Options, **static: Any) -> Any:
+    """``fn(x, labels, w, placement, weights=..., options=..., **static)``, as one jitted program where needed.
 
     Under Auto axes the mesh of a call made outside ``jit`` is often only the abstract one of its
     traced inputs (``jax.grad`` of an eager call): the inputs cannot be laid out on it op by op, so
     the call is compiled as one program, as the caller's own ``jit`` would (the labels are checked
-    first, while they are still concrete). Array options (``weights``) are traced; the rest are static.
+    first, while they are still concrete). ``weights`` is traced; ``options`` and ``static`` are static.
     """
     if placement.kind != "shard_map" or not isinstance(placement.mesh, AbstractMesh) or placement.mesh.explicit_axes:
-        return fn(x, labels, w, placement, **options)
-    validation.check_concrete_labels(labels, w.shape[1], options["ignore_index"])
-    static = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items() if k not in _TRACED_OPTIONS}
-    traced = {k: v for k, v in options.items() if k in _TRACED_OPTIONS}
-    return _jitted(fn, tuple(sorted(static)))(x, labels, w, placement, **static, **traced)
-
-
-_TRACED_OPTIONS = frozenset({"weights"})
+        return fn(x, labels, w, placement, weights=weights, options=options, **static)
+    validation.check_concrete_labels(labels, w.shape[1], options.ignore_index)
+    return _jitted(fn, tuple(sorted(static)))(x, labels, w, placement, weights=weights, options=options, **static)
 
 
 @functools.lru_cache(maxsize=64)
 def _jitted(fn: Callable[..., Any], static_names: tuple[str, ...]) -> Callable[..., Any]:
-    return jax.jit(fn, static_argnums=(3,), static_argnames=static_names)
+    return jax.jit(fn, static_argnums=(3,), static_argnames=("options", *static_names))

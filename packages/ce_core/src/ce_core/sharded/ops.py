@@ -1,7 +1,7 @@
 """The backend contract as differentiable ops over whole (possibly sharded) arrays.
 
 ``row_stats`` is a custom VJP whose forward and backward passes each run one per-shard function of
-:mod:`ce_core.shard_ops` under the call's placement; ``row_stats_and_grads`` runs the fused one.
+:mod:`ce_core.sharded.shard_ops` under the call's placement; ``row_stats_and_grads`` runs the fused one.
 Because differentiation stops at these ops, the same per-shard code serves every placement:
 
 - ``"local"``: called directly (one device, or one shard in the caller's ``shard_map``);
@@ -19,10 +19,10 @@ from typing import Any
 
 import jax
 
-from ce_core.backend import Backend, CotangentFn, RowStats, StatsSpec
-from ce_core.batching import batched_by_kinds
-from ce_core.placement import Placement
-from ce_core.shard_ops import RowStatsAndGradsFn, RowStatsFn, RowStatsVjpFn, ShardFn, stats_from, stats_values
+from ce_core.contract.backend import Backend, CotangentFn, RowStats, StatsSpec
+from ce_core.sharded.batching import batched_by_kinds
+from ce_core.sharded.placement import Placement
+from ce_core.sharded.shard_ops import RowStatsAndGradsFn, RowStatsFn, RowStatsVjpFn, ShardFn, stats_from, stats_values
 
 
 def run(fn: ShardFn, placement: Placement, *args: jax.Array) -> tuple[jax.Array, ...]:

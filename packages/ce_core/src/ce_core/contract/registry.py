@@ -2,7 +2,7 @@
 
 Installing a backend wheel is all it takes to make its name selectable: the wheel declares an
 entry point in the group ``ce_core.backends`` whose object is a zero-argument factory returning a
-:class:`~ce_core.backend.Backend`. Nothing is imported until a name is first used.
+:class:`~ce_core.contract.backend.Backend`. Nothing is imported until a name is first used.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from ce_core.backend import CONTRACT_VERSION, SUPPORTED_CONTRACT_VERSIONS, Backend, Problem
-from ce_core.errors import FallbackWarning, UnsupportedError
+from ce_core.contract.backend import CONTRACT_VERSION, SUPPORTED_CONTRACT_VERSIONS, Backend, Problem
+from ce_core.contract.errors import FallbackWarning, UnsupportedError
 
 ENTRY_POINT_GROUP = "ce_core.backends"
 

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ce_core.block_sizes import BlockSizes
+from ce_core.contract.block_sizes import BlockSizes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The public functions: argument checks, options, and the loss and log-probabilities built from row statistics."""
