@@ -7,6 +7,7 @@ value, and a row that did not run is marked with its status where its bar would 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,10 +84,14 @@ def plot(records: Sequence[Record], path: str | Path, *, title: str = "") -> Pat
     width = min(24.0, max(9.0, 3.0 + 0.45 * len(groups) * max(1, len(backends))))
     fig, axes = plt.subplots(1, 2, figsize=(width, 5.0))
     if any(record.fwd_bwd_ms is not None for record in records):
-        _bars(axes[0], records, "fwd_bwd_ms", 1.0, "ms (log)", "forward+backward time (median; lower is better)",
-              colors)
-        _bars(axes[1], [record for record in records if record.kind == "backend"], "temp_bytes", 2**20,
-              "MiB (log)", "temporary memory of forward+backward (memory_analysis)", colors)
+        # Rows only compiled (``--memory-shapes``) have no time; their memory bars say they did not run.
+        _bars(axes[0], [record for record in records if record.repeats is not None], "fwd_bwd_ms", 1.0, "ms (log)",
+              "forward+backward time (median; lower is better)", colors)
+        memory = [record if record.repeats is not None
+                  else dataclasses.replace(record, shape=f"{record.shape}\ncompiled, not run")
+                  for record in records if record.kind == "backend"]
+        _bars(axes[1], memory, "temp_bytes", 2**20, "MiB (log)",
+              "temporary memory of forward+backward (memory_analysis)", colors)
     else:
         _bars(axes[0], records, "fwd_temp_bytes", 2**20, "MiB (log)", "forward: temporary memory", colors)
         _bars(axes[1], records, "temp_bytes", 2**20, "MiB (log)", "forward+backward: temporary memory", colors)

@@ -54,8 +54,12 @@ PRESETS: dict[str, Preset] = {
     )
 }
 
-#: What ``ce-bench`` runs with no ``--shapes`` (finishes in about 2 minutes on a 2-core CPU).
+#: What ``ce-bench`` times with no ``--shapes`` (about half a minute on a 2-core CPU).
 DEFAULT_RUN_SHAPES: tuple[str, ...] = ("tiny", "small")
+#: What ``ce-bench`` also compiles with no ``--shapes``, at full N and without running it: the shape
+#: where the materialised logits dominate memory (the reference needs GiB of temporaries), which the
+#: small timed shapes cannot show (``--memory-shapes``).
+DEFAULT_MEMORY_SHAPES: tuple[str, ...] = ("llama3-8b",)
 #: What ``ce-bench aot`` compiles with no ``--shapes`` (full size: nothing executes).
 DEFAULT_AOT_SHAPES: tuple[str, ...] = ("llama3-8b", "qwen3", "gemma3")
 

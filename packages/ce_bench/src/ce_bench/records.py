@@ -74,11 +74,13 @@ class Record:
         return out
 
 
-def write_json(records: Iterable[Record], path: str | Path) -> Path:
-    """Write the records as a JSON list; creates parent directories. Returns the path."""
+def write_json(records: Iterable[Record | dict[str, Any]], path: str | Path) -> Path:
+    """Write the records (or plain JSON objects, as ``ce-bench schedule`` and ``tune`` make) as a JSON
+    list; creates parent directories. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([record.to_json() for record in records], indent=2) + "\n", encoding="utf-8")
+    items = [record.to_json() if isinstance(record, Record) else record for record in records]
+    path.write_text(json.dumps(items, indent=2) + "\n", encoding="utf-8")
     return path
 
 

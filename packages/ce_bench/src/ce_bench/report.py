@@ -125,6 +125,53 @@ def compile_table(records: Sequence[Record], fmt: str = "text") -> str:
     return _render(headers, rows, notes, fmt, right={offset + i for i in (4, 5, 6, 9)})
 
 
+def _times(ratio: float) -> str:
+    if ratio < 1:
+        return f"{ratio:.2g}x"
+    return f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.2f}x"
+
+
+def memory_ratios(records: Sequence[Record], fmt: str = "text") -> str:
+    """Per shape and dtype with a ``reference`` row: the reference's fwd+bwd temporaries over each
+    other backend's (how many times less memory than materialising the logits); ``""`` when there is
+    no such shape. Rows that were only compiled form their own groups."""
+    groups: dict[tuple[str, str, str | None, bool], list[Record]] = {}
+    for record in records:
+        if record.kind == "backend" and record.temp_bytes:
+            key = (record.shape, record.dtype, record.target, record.repeats is None)
+            groups.setdefault(key, []).append(record)
+    lines = []
+    for (shape, dtype, target, _), rows in groups.items():
+        reference = next((row.temp_bytes for row in rows if row.backend == "reference"), None)
+        ratios = [f"{row.backend} {human_bytes(row.temp_bytes)} ({_times(reference / row.temp_bytes)})"
+                  for row in rows if reference and row.temp_bytes and row.backend != "reference"]
+        if reference and ratios:
+            where = " ".join(part for part in (target, shape, dtype) if part)
+            lines.append(f"{where}: reference {human_bytes(reference)}; " + ", ".join(ratios))
+    if not lines:
+        return ""
+    head = ("fwd+bwd temporaries, with the reference's over each backend's (how many times less memory than "
+            "materialising the logits):")
+    if fmt == "markdown":
+        return "\n".join([head, ""] + [f"- {line}" for line in lines])
+    return "\n".join([head] + [f"  {line}" for line in lines])
+
+
+def tables(records: Sequence[Record], fmt: str = "text") -> str:
+    """What ``ce-bench`` prints: :func:`run_table` of the rows of a timed run, :func:`compile_table` of the
+    rows that were only compiled (``repeats`` is None: ``--compile-only``, ``--memory-shapes``, ``aot``)
+    and :func:`memory_ratios`."""
+    timed = [record for record in records if record.repeats is not None]
+    compiled = [record for record in records if record.repeats is None]
+    parts = [run_table(timed, fmt)] if timed else []
+    if compiled:
+        if timed:
+            parts.append("Compiled only, not run (memory_analysis at full size):")
+        parts.append(compile_table(compiled, fmt))
+    ratios = memory_ratios(records, fmt)
+    return "\n\n".join(parts + ([ratios] if ratios else []))
+
+
 def table(records: Sequence[Record], fmt: str = "text") -> str:
     """:func:`run_table` when anything was timed, else :func:`compile_table`."""
     chooser: Callable[[Sequence[Record], str], str] = (

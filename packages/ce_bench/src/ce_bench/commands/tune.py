@@ -1,0 +1,87 @@
+"""``ce-bench tune --target ...``: choose pallas_tpu's tiles per shape bucket from libtpu's static
+schedules (:mod:`ce_bench.tune`); ``--write`` regenerates ``ce_pallas_tpu/tuned.py``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from ce_bench import presets
+from ce_bench.commands import common
+
+
+def tune_parser() -> argparse.ArgumentParser:
+    """The parser of ``ce-bench tune``."""
+    from ce_bench.schedule import SCHEDULE_TARGETS
+
+    parser = argparse.ArgumentParser(
+        prog="ce-bench tune",
+        description="Choose pallas_tpu's tiles for a TPU generation without a TPU: per shape bucket, compile "
+                    "candidate tiles at the bucket's example shape (today's entry always among them; the VMEM model "
+                    "only prefilters, libtpu's compile decides), read their static schedules and keep the one with "
+                    "the least estimated kernel time. --write regenerates ce_pallas_tpu/tuned.py: this generation's "
+                    "entries for these buckets are replaced, the others kept.")
+    parser.add_argument("--target", required=True, choices=SCHEDULE_TARGETS, help="TPU generation")
+    parser.add_argument("--buckets", default=None, metavar="A,B",
+                        help="shape buckets (default: all: small, wide, huge_batch, large_vocab, llama3)")
+    parser.add_argument("--kernels", default="forward,backward", help="comma-separated: forward, backward")
+    parser.add_argument("--candidates", type=common.positive_int, default=3, metavar="K",
+                        help="candidates compiled and measured per kernel and bucket (default: 3)")
+    parser.add_argument("--shape", default=None, metavar="NxHxV",
+                        help="measure every bucket at this shape instead of its example shape (a quick check; "
+                             "cannot be written)")
+    parser.add_argument("--write", action="store_true",
+                        help="write the winners into ce_pallas_tpu/tuned.py (a kernel left out by --kernels keeps its "
+                             "tiles and figures)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every measured candidate here")
+    parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
+    parser.add_argument("--quiet", action="store_true", help="no per-compile progress lines")
+    return parser
+
+
+def _single_shape(spec: str | None) -> tuple[int, int, int] | None:
+    """``--shape``: one ``NxHxV`` or preset at full size (None when not given)."""
+    if spec is None:
+        return None
+    parsed = presets.parse_shapes(spec, reduced_for_cpu=False, default=())
+    if len(parsed) != 1:
+        raise ValueError(f"--shape takes one shape (NxHxV or a preset), got {spec!r}")
+    return parsed[0].n, parsed[0].h, parsed[0].v
+
+
+def main(argv: Sequence[str]) -> int:
+    """``ce-bench tune --target ...``: exit status 1 when no bucket could be tuned."""
+    from ce_bench import tune
+
+    parser = tune_parser()
+    args = parser.parse_args(argv)
+    try:
+        buckets = tune.parse_buckets(args.buckets)
+        kernels = common.parse_kernels(args.kernels, tune.KERNELS)
+        shape = _single_shape(args.shape)
+        if args.write and shape is not None:
+            raise ValueError("--write keeps tiles measured at the buckets' example shapes; leave out --shape")
+    except ValueError as error:
+        parser.error(str(error))
+    common.quiet_libraries()
+    print(f"ce-bench tune: tiles for TPU {args.target} from libtpu's static schedules, no TPU present", flush=True)
+    start = time.perf_counter()
+    try:
+        report = tune.run_tune(args.target, buckets, kernels, args.candidates, write=args.write, shape=shape,
+                               quiet=args.quiet)
+    except tune.TuneUnavailableError as error:
+        print(f"ce-bench tune: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(tune.tune_table(report.rows, args.format))
+    if report.path is not None:
+        print(f"\ntable written: {report.path}")
+    if args.json:
+        common.save_json(report.rows, args.json)
+    print(f"\n{len(report.rows)} candidates measured in {time.perf_counter() - start:.0f} s")
+    if report.failed:
+        print(f"ce-bench tune: nothing could be measured for {', '.join(report.failed)} (entries left as they were)",
+              file=sys.stderr)
+    return 1 if len(report.failed) == len(buckets) else 0
