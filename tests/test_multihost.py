@@ -18,6 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+#: The slow tier: two processes joined by jax.distributed (uv run pytest -m slow).
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("multihost_worker.py")
 #: Seconds a pair may run; a full run takes about a minute on 2 cores.
 PAIR_TIMEOUT_S = 240

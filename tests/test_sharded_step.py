@@ -389,6 +389,7 @@ def v5p_2x2x1():
     return topology_devices("v5p:2x2x1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
 @pytest.mark.parametrize("mesh_shape,w_spec", [((2, 2), P(None, "model")), ((4, 1), P(None, None))],
                          ids=["data_x_vocab", "data_only"])
@@ -453,6 +454,7 @@ def compile_under_auto_axes(devices, generation, backend, w_spec, stated):
             arg((h, v), jnp.bfloat16, w_spec)).compile()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
 @pytest.mark.parametrize("w_layout", AUTO_W_LAYOUTS)
 @pytest.mark.parametrize("stated", [False, True], ids=["default", "stated"])
@@ -471,6 +473,7 @@ def test_auto_axes_compile_for_a_v5p_topology_within_the_memory_bound(monkeypatc
                                       gathers_w=(w_layout == "fsdp") or (w_layout == "vocab" and not stated))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
 @pytest.mark.parametrize("w_layout,stated", [("vocab", True), ("fsdp", False)])
 def test_auto_axes_compile_for_a_v6e_topology_within_the_memory_bound(monkeypatch, v6e_2x2, backend, w_layout,
@@ -497,6 +500,7 @@ def assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w)
     assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["log_probs_default", "log_probs_stated", "wrapper"])
 def test_log_probs_and_the_wrapper_compile_under_auto_axes_for_a_v5p_topology(monkeypatch, v5p_2x2x1, call):
     """The RL path (log-probs and entropy) and the wrapper, Auto axes, value_and_grad, 4 v5p chips."""

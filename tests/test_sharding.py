@@ -155,6 +155,7 @@ def test_pallas_tpu_in_interpret_mode_on_a_data_by_vocab_mesh(monkeypatch):
     compare_with_oracle("pallas_tpu", SHARDED_CASES[-1], x, labels, w, loss_fn=loss_fn)
 
 
+@pytest.mark.slow
 def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
     from ce_pallas_tpu.aot import topology_devices
 

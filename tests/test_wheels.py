@@ -20,6 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+#: The slow tier: builds and installs the wheels (uv run pytest -m slow).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {  # distribution -> (import name, backend entry points)
     "ce-core": ("ce_core", {}),

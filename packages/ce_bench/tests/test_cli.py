@@ -201,6 +201,7 @@ def test_rl_objective_runs_and_matches_the_log_probs_oracle(tmp_path: Path) -> N
     assert "log-probability" in records["tokamax:xla"]["reason"]
 
 
+@pytest.mark.slow
 def test_sharding_on_a_tpu_topology_compiles_without_a_tpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")  # the subcommand sets it from the topology too

@@ -14,6 +14,9 @@ import pytest
 from ce_bench import cli
 from ce_pallas_tpu.schedule import SCHEDULE_CHIPS, mxu_cycles
 
+#: The slow tier: libtpu static schedules (uv run pytest -m slow).
+pytestmark = pytest.mark.slow
+
 N, H, V = 512, 256, 2048
 
 

@@ -15,6 +15,9 @@ from ce_bench import cli
 from ce_pallas_tpu import tune
 from ce_pallas_tpu.schedule import mxu_cycles
 
+#: The slow tier: libtpu static schedules (uv run pytest -m slow).
+pytestmark = pytest.mark.slow
+
 #: Every candidate block divides it (no ragged blocks: libtpu 0.0.52's profiler rejects some ragged backward
 #: tiles at small shapes, such as 256/256/1536 at V=2048).
 N, H, V = 1024, 256, 6144

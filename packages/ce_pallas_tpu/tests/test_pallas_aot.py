@@ -15,6 +15,9 @@ import pytest
 import ce_core
 from ce_pallas_tpu import aot, tiling
 
+#: The slow tier: real TPU compiles for every generation (uv run pytest -m slow).
+pytestmark = pytest.mark.slow
+
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 #: The real shapes of the issue: Llama-3 (8k tokens) and Qwen (32k tokens), bf16.
 REAL_SHAPES = [(8192, 4096, 128256), (32768, 2048, 151936)]

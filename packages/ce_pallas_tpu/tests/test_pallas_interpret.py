@@ -72,6 +72,7 @@ ROW_STATS_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target,blocks,vocab", ROW_STATS_CASES,
                          ids=["v5e-hidden-blocked", "v5e-streamed", "v5p-hidden-blocked", "v5p-streamed",
                               "v6e-streamed-in-column-chunks"])
@@ -106,6 +107,7 @@ def test_row_stats_and_vjp_match_the_reference(interpret, target, blocks, vocab)
     assert not _races_found()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["v6e", "v5p"])
 @pytest.mark.parametrize("jump", [20.0, 100.0])
 def test_streamed_forward_survives_logits_far_above_the_earlier_blocks(interpret, target, jump):
@@ -162,6 +164,7 @@ def test_return_lse_matches_float64(interpret):
     np.testing.assert_allclose(np.asarray(lse), np.log(np.exp(logits).sum(-1)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_mixed_input_dtypes(interpret):
     interpret("v5e")
     x, labels, w = random_problem(16, (21,), 32, 65)
@@ -170,6 +173,7 @@ def test_mixed_input_dtypes(interpret):
     assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_generic_interpreter_works_under_checkpoint(monkeypatch):
     """The TPU interpreter orders its steps with io_callbacks, which jax.checkpoint cannot
     differentiate (``Effects not supported in AD of checkpoint/remat``); the generic interpreter
@@ -201,6 +205,7 @@ def _float64_loss_and_grads(x, labels, w):
     return loss, p @ w.T, x.T @ p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,dw_tolerance", [(None, 1e-2), ("highest", 1e-5)])
 def test_precision_with_bf16_activations_and_f32_weights(interpret, precision, dw_tolerance):
     """By default bf16 x with f32 w runs bf16 MXU passes (w rounded to bf16 in VMEM, float32

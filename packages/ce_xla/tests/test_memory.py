@@ -22,6 +22,9 @@ from jax.sharding import PartitionSpec as P
 import ce_core
 from ce_core import BlockSizes, linear_cross_entropy
 
+#: The slow tier: full-size compiles for TPU generations and CPU (uv run pytest -m slow).
+pytestmark = pytest.mark.slow
+
 MiB = 2**20
 #: Llama-3 at 8k tokens and Qwen at 32k tokens, bf16 (issue 13).
 BF16_SHAPES = [(8192, 4096, 128256), (32768, 2048, 151936)]
