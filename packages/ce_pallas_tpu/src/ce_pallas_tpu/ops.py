@@ -91,8 +91,18 @@ def problem_shape(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec) -> 
 def make_plan(
     n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec, target: Target | None = None
 ) -> Plan:
-    """Tiles and kernel configurations for a problem on ``target`` (default: the current one)."""
+    """Tiles and kernel configurations for a problem on ``target`` (default: the current one, read now).
+
+    Made once per problem and target: a call asks for it several times (the backend's check, the
+    forward, the backward), and every argument is hashable, so the plans are cached.
+    """
     target = current_target() if target is None else target
+    return _cached_plan(n, h, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec, target)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype, spec: StatsSpec,
+                 target: Target) -> Plan:
     shape = problem_shape(n, h, v, x_dtype, w_dtype, spec)
     tiles = tiling.resolve_tiles(shape, target, spec.block_sizes)
     interpret = interpret_params(target)

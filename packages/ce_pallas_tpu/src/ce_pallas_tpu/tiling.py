@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 
 from ce_core import BlockSizes, UnsupportedError
 from ce_pallas_tpu import cost_model
@@ -138,41 +139,54 @@ def _entry_fits(shape: Shape, bucket: str, forward: FittedTiles, backward: Fitte
     )
 
 
+#: The sizes the inference rule tries (largest first), and the backward's hidden chunk.
+_TOKENS = (2048, 1024, 512, 256, 128, 64, 32, 16, 8)
+_COLUMNS = (2048, 1024, 512, 256, 128)
+_BACKWARD_CHUNK = 512
+
+
+def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tuple[int, FittedTiles]]:
+    """``(footprint, tiles)`` of the forward tiles the inference rule considers that fit ``budget``."""
+    hiddens = [None] + [h for h in (4096, 2048, 1024, 512, 256, 128) if h < shape.hp and shape.hp % h == 0]
+    for b, v, h in itertools.product(_TOKENS, _COLUMNS, hiddens):
+        tiles = fit_tiles(shape, KernelTiles(b, h, v), backward=False)
+        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
+                                        mxu_side=target.facts.mxu_side)
+        if need <= budget:
+            yield need, tiles
+
+
+def _backward_options(shape: Shape, budget: int) -> Iterator[tuple[int, FittedTiles]]:
+    """``(footprint, tiles)`` of the backward tiles the inference rule considers that fit ``budget``."""
+    for b, v in itertools.product(_TOKENS, _COLUMNS):
+        tiles = fit_tiles(shape, KernelTiles(b, _BACKWARD_CHUNK, v), backward=True)
+        need = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
+        if need <= budget:
+            yield need, tiles
+
+
+def _too_large(shape: Shape, target: Target, budget: int) -> UnsupportedError:
+    smallest = fit_tiles(shape, KernelTiles(8, 128, 128), backward=True)
+    need = cost_model.backward_bytes(shape, smallest.block_b, smallest.block_h, smallest.block_v)
+    return UnsupportedError(
+        f"pallas_tpu: hidden size H={shape.hp} needs at least {need / 2**20:.1f} MiB of VMEM even "
+        f"with the smallest tiles, more than the {budget / 2**20:.1f} MiB budget on {target.generation}"
+    )
+
+
 def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
     """Tiles within 3% of the least roofline time that fit ``budget``; the smallest footprint wins.
 
     Raises:
       UnsupportedError: not even the smallest tiles fit (a hidden size too large for this VMEM).
     """
-    facts = target.facts
-    tokens = (2048, 1024, 512, 256, 128, 64, 32, 16, 8)
-    columns = (2048, 1024, 512, 256, 128)
-    hiddens = [None] + [h for h in (4096, 2048, 1024, 512, 256, 128) if h < shape.hp and shape.hp % h == 0]
-
-    forward_options = []
-    for b, v, h in itertools.product(tokens, columns, hiddens):
-        tiles = fit_tiles(shape, KernelTiles(b, h, v), backward=False)
-        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
-                                        mxu_side=facts.mxu_side)
-        if need <= budget:
-            seconds = cost_model.forward_seconds(shape, facts, target.num_cores, *tiles.sizes)
-            forward_options.append((seconds, need, tiles))
-
-    backward_options = []
-    for b, v in itertools.product(tokens, columns):
-        tiles = fit_tiles(shape, KernelTiles(b, 512, v), backward=True)
-        need = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
-        if need <= budget:
-            seconds = cost_model.backward_seconds(shape, facts, target.num_cores, tiles.block_b, tiles.block_v)
-            backward_options.append((seconds, need, tiles))
-
+    facts, cores = target.facts, target.num_cores
+    forward_options = [(cost_model.forward_seconds(shape, facts, cores, *tiles.sizes), need, tiles)
+                       for need, tiles in _forward_options(shape, target, budget)]
+    backward_options = [(cost_model.backward_seconds(shape, facts, cores, tiles.block_b, tiles.block_v), need, tiles)
+                        for need, tiles in _backward_options(shape, budget)]
     if not forward_options or not backward_options:
-        smallest = fit_tiles(shape, KernelTiles(8, 128, 128), backward=True)
-        need = cost_model.backward_bytes(shape, smallest.block_b, smallest.block_h, smallest.block_v)
-        raise UnsupportedError(
-            f"pallas_tpu: hidden size H={shape.hp} needs at least {need / 2**20:.1f} MiB of VMEM even "
-            f"with the smallest tiles, more than the {budget / 2**20:.1f} MiB budget on {target.generation}"
-        )
+        raise _too_large(shape, target, budget)
     return Tiles(_pick(forward_options), _pick(backward_options), "inferred")
 
 
@@ -184,19 +198,34 @@ def _pick(options: list[tuple[float, int, FittedTiles]]) -> FittedTiles:
     return min(near, key=lambda item: item[:3])[3]
 
 
-def tuned_tiles(shape: Shape, target: Target) -> Tiles:
-    """The table entry for this problem when it fits, else the inferred tiles."""
-    budget = vmem_budget(target)
+def _table_tiles(shape: Shape, target: Target) -> Tiles | None:
+    """The table entry for this problem fitted to it, when it fits (None: no entry, or it does not fit)."""
     bucket = shape_bucket(shape.n, shape.hp, shape.v)
     entry = tuned_table().get((target.generation, bucket))
-    if entry is not None:
-        forward = fit_tiles(shape, entry.forward, backward=False)
-        backward = fit_tiles(shape, entry.backward, backward=True)
-        for w_buffers in dict.fromkeys((backward.w_buffers, 1)):  # the entry's buffers, else one
-            backward = dataclasses.replace(backward, w_buffers=w_buffers)
-            if _entry_fits(shape, bucket, forward, backward, target):
-                return Tiles(forward, backward, f"table:{target.generation}/{bucket}")
-    return _infer(shape, target, budget)
+    if entry is None:
+        return None
+    forward = fit_tiles(shape, entry.forward, backward=False)
+    backward = fit_tiles(shape, entry.backward, backward=True)
+    for w_buffers in dict.fromkeys((backward.w_buffers, 1)):  # the entry's buffers, else one
+        backward = dataclasses.replace(backward, w_buffers=w_buffers)
+        if _entry_fits(shape, bucket, forward, backward, target):
+            return Tiles(forward, backward, f"table:{target.generation}/{bucket}")
+    return None
+
+
+def tuned_tiles(shape: Shape, target: Target) -> Tiles:
+    """The table entry for this problem when it fits, else the inferred tiles."""
+    tiles = _table_tiles(shape, target)
+    return _infer(shape, target, vmem_budget(target)) if tiles is None else tiles
+
+
+def check_some_tiles_fit(shape: Shape, target: Target) -> None:
+    """``UnsupportedError`` exactly where :func:`tuned_tiles` raises it, without choosing any tiles:
+    not even the smallest tiles fit the VMEM budget, and neither does the table's entry."""
+    budget = vmem_budget(target)
+    first = next(_forward_options(shape, target, budget), None), next(_backward_options(shape, budget), None)
+    if None in first and _table_tiles(shape, target) is None:
+        raise _too_large(shape, target, budget)
 
 
 def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
@@ -233,18 +262,23 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None) 
     if block_sizes is None:
         return tuned_tiles(shape, target)
     validate_explicit(block_sizes, shape.hp)
-    base = tuned_tiles(shape, target)
     b, h, v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
-    forward = fit_tiles(
-        shape,
-        KernelTiles(b or base.forward.block_b, h if h is not None else base.forward.block_h, v or base.forward.block_v),
-        backward=False,
-    )
-    backward = fit_tiles(
-        shape,
-        KernelTiles(b or base.backward.block_b, h or base.backward.block_h, v or base.backward.block_v),
-        backward=True,
-    )
+    if b is not None and h is not None and v is not None:
+        check_some_tiles_fit(shape, target)  # the problem itself may be too large for this VMEM
+        forward = backward = KernelTiles(b, h, v)
+    else:  # the tuned tiles fill the sizes not given (and only then are they worked out)
+        base = tuned_tiles(shape, target)
+        f, bw = base.forward, base.backward
+        forward = KernelTiles(b or f.block_b, f.block_h if h is None else h, v or f.block_v)
+        backward = KernelTiles(b or bw.block_b, h or bw.block_h, v or bw.block_v)
+    tiles = Tiles(fit_tiles(shape, forward, backward=False), fit_tiles(shape, backward, backward=True), "explicit")
+    _check_explicit_vmem(shape, target, block_sizes, tiles)
+    return tiles
+
+
+def _check_explicit_vmem(shape: Shape, target: Target, block_sizes: BlockSizes, tiles: Tiles) -> None:
+    """``ValueError`` when explicit tiles need more VMEM than Mosaic is allowed (by the VMEM model)."""
+    forward, backward = tiles.forward, tiles.backward
     capacity = target.vmem_bytes
     need_forward = cost_model.forward_bytes(shape, forward.block_b, forward.block_h, forward.block_v,
                                             mxu_side=target.facts.mxu_side)
@@ -256,7 +290,6 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None) 
             f"V={shape.v}; {target.generation} has {capacity / 2**20:.0f} MiB (usable "
             f"{vmem_limit(target) / 2**20:.0f} MiB): use smaller blocks"
         )
-    return Tiles(forward, backward, "explicit")
 
 
 def table_rows() -> list[tuple[str, str, TunedEntry]]:
