@@ -118,6 +118,13 @@ def test_an_entry_with_two_w_buffers_falls_back_to_one_before_inference(monkeypa
     assert tiles.source == "table:v5e/llama3" and tiles.backward.w_buffers == 1
 
 
+def test_fitted_tiles_is_a_deprecated_name_of_kernel_tiles():
+    with pytest.warns(DeprecationWarning, match="use KernelTiles"):
+        assert ce_pallas_tpu.FittedTiles is KernelTiles
+    with pytest.raises(AttributeError):
+        _ = ce_pallas_tpu.NoSuchName
+
+
 def test_small_dimensions_become_whole_dimension_blocks():
     tiles = tiling.tuned_tiles(_shape(37, 48, 203), _target("v5p"))
     assert tiles.forward.block_b == 37 and tiles.forward.block_v == 203 and tiles.forward.block_h == 128

@@ -32,13 +32,14 @@ from ce_pallas_tpu import cost_model
 from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.layout import LANES, SUBLANES, round_up
 from ce_pallas_tpu.target import CHIP_FACTS, Target
-from ce_pallas_tpu.tile_types import FittedTiles, KernelTiles, Tiles, TunedEntry
+from ce_pallas_tpu.tile_types import KernelTiles, Tiles, TunedEntry
 
 #: Share of a core's VMEM the chosen tiles may use; the rest is Mosaic's internal scratch and slack.
 VMEM_BUDGET_FRACTION = 0.8
 #: Scoped-VMEM limit handed to Mosaic, as a share of the core's VMEM.
 VMEM_LIMIT_FRACTION = 0.9
-
+#: The backward's hidden chunk (of its dx/dw products) where none is given.
+_BACKWARD_CHUNK = 512
 
 
 #: Shape buckets, first match wins (N tokens, H hidden, V vocab).
@@ -108,18 +109,19 @@ def bucket_example(bucket: str) -> Shape:
     return Shape(n, round_up(h, LANES), v, 2, 2, with_sum=False, capped=False)
 
 
-def fit_tiles(shape: Shape, tiles: KernelTiles, *, backward: bool) -> FittedTiles:
-    """Clamp tiles to the problem: a block never exceeds its dimension; ``h`` divides ``Hp``."""
-    b = shape.n if shape.n <= tiles.block_b else tiles.block_b
-    v = shape.v if shape.v <= tiles.block_v else tiles.block_v
+def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool) -> KernelTiles[int]:
+    """Clamp tiles to the problem: a block never exceeds its dimension; ``block_h`` divides ``Hp``."""
+    block_b = shape.n if shape.n <= tiles.block_b else tiles.block_b
+    block_v = shape.v if shape.v <= tiles.block_v else tiles.block_v
     if backward:
-        h = _divisor_at_most(shape.hp, tiles.block_h or 512)
+        block_h = _divisor_at_most(shape.hp, tiles.block_h or _BACKWARD_CHUNK)
     else:
-        h = shape.hp if tiles.block_h is None else _divisor_at_most(shape.hp, tiles.block_h)
-    return FittedTiles(b, h, v, tiles.w_buffers if backward else None)
+        block_h = shape.hp if tiles.block_h is None else _divisor_at_most(shape.hp, tiles.block_h)
+    return KernelTiles(block_b, block_h, block_v, tiles.w_buffers if backward else None)
 
 
-def _entry_fits(shape: Shape, bucket: str, forward: FittedTiles, backward: FittedTiles, target: Target) -> bool:
+def _entry_fits(shape: Shape, bucket: str, forward: KernelTiles[int], backward: KernelTiles[int],
+                target: Target) -> bool:
     """Whether a table entry fits this problem: by the VMEM model, within the target's budget or no more
     than at its bucket's example shape (where libtpu compiled it; the model over-estimates, so a
     compiled entry may exceed the budget by the model)."""
@@ -139,13 +141,12 @@ def _entry_fits(shape: Shape, bucket: str, forward: FittedTiles, backward: Fitte
     )
 
 
-#: The sizes the inference rule tries (largest first), and the backward's hidden chunk.
+#: The sizes the inference rule tries, largest first.
 _TOKENS = (2048, 1024, 512, 256, 128, 64, 32, 16, 8)
 _COLUMNS = (2048, 1024, 512, 256, 128)
-_BACKWARD_CHUNK = 512
 
 
-def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tuple[int, FittedTiles]]:
+def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tuple[int, KernelTiles[int]]]:
     """``(footprint, tiles)`` of the forward tiles the inference rule considers that fit ``budget``."""
     hiddens = [None] + [h for h in (4096, 2048, 1024, 512, 256, 128) if h < shape.hp and shape.hp % h == 0]
     for b, v, h in itertools.product(_TOKENS, _COLUMNS, hiddens):
@@ -156,7 +157,7 @@ def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tupl
             yield need, tiles
 
 
-def _backward_options(shape: Shape, budget: int) -> Iterator[tuple[int, FittedTiles]]:
+def _backward_options(shape: Shape, budget: int) -> Iterator[tuple[int, KernelTiles[int]]]:
     """``(footprint, tiles)`` of the backward tiles the inference rule considers that fit ``budget``."""
     for b, v in itertools.product(_TOKENS, _COLUMNS):
         tiles = fit_tiles(shape, KernelTiles(b, _BACKWARD_CHUNK, v), backward=True)
@@ -190,7 +191,7 @@ def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
     return Tiles(_pick(forward_options), _pick(backward_options), "inferred")
 
 
-def _pick(options: list[tuple[float, int, FittedTiles]]) -> FittedTiles:
+def _pick(options: list[tuple[float, int, KernelTiles[int]]]) -> KernelTiles[int]:
     """Among options within 3% of the fastest, the one with the smallest VMEM footprint."""
     fastest = min(seconds for seconds, _, _ in options)
     near = [(need, -tiles.block_b, -tiles.block_v, tiles)
@@ -228,7 +229,7 @@ def check_some_tiles_fit(shape: Shape, target: Target) -> None:
         raise _too_large(shape, target, budget)
 
 
-def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
+def backward_w_buffers(shape: Shape, tiles: KernelTiles[int], target: Target) -> int:
     """The tiles' own ``w_buffers`` when set (a tuned entry), else two VMEM buffers for the backward's
     ``w`` and ``dw`` blocks where the VMEM model says they fit the budget, else one."""
     if tiles.w_buffers is not None:

@@ -85,11 +85,12 @@ def _rank(hbm_share: float, cycles: float, need: int, *, few_rows: bool = False,
     return (few_rows, hbm_share > HBM_COMFORT or cycles < MIN_STEP_CYCLES, -min(cycles, long_step), need)
 
 
-def _ranked(options: list[tuple[tuple[bool, bool, float, int], KernelTiles]]) -> list[KernelTiles]:
+def _ranked(options: list[tuple[tuple[bool, bool, float, int], KernelTiles[int | None]]],
+            ) -> list[KernelTiles[int | None]]:
     return list(dict.fromkeys(tiles for _, tiles in sorted(options, key=lambda item: item[0])))
 
 
-def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
+def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles[int | None]]:
     """Forward tiles worth compiling, best guess first (``x`` resident: ``h=None``)."""
     chip = SCHEDULE_CHIPS[generation]
     limit = _prefilter_bytes(generation)
@@ -106,7 +107,7 @@ def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
     return _ranked(options)
 
 
-def backward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
+def backward_candidates(shape: Shape, generation: str) -> list[KernelTiles[int | None]]:
     """Backward tiles worth compiling, best guess first."""
     chip = SCHEDULE_CHIPS[generation]
     limit = _prefilter_bytes(generation)
@@ -125,7 +126,7 @@ def backward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
     return _ranked(options)
 
 
-def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles) -> str | None:
+def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles[int | None]) -> str | None:
     """Why libtpu does not compile the kernel alone at full size with these tiles (None: it does)."""
     import jax
 
@@ -146,7 +147,8 @@ def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles
     return None
 
 
-def _compiling(generation: str, kernel: str, shape: Shape, tiles: KernelTiles) -> tuple[KernelTiles | None, str]:
+def _compiling(generation: str, kernel: str, shape: Shape,
+               tiles: KernelTiles[int | None]) -> tuple[KernelTiles[int | None] | None, str]:
     """The candidate as it compiles (a backward one with two buffers if possible), or None and why not."""
     if kernel == "forward":
         error = compile_error(generation, kernel, shape, tiles)
@@ -171,22 +173,22 @@ class KernelChoice:
     """The tiles kept for one kernel, and every candidate's schedule."""
 
     kernel: str
-    tiles: KernelTiles
+    tiles: KernelTiles[int | None]
     schedule: schedule.KernelSchedule
-    measured: list[tuple[KernelTiles, schedule.KernelSchedule]]
-    refused: list[tuple[KernelTiles, str]]
-    incumbent: KernelTiles | None
+    measured: list[tuple[KernelTiles[int | None], schedule.KernelSchedule]]
+    refused: list[tuple[KernelTiles[int | None], str]]
+    incumbent: KernelTiles[int | None] | None
 
 
 class TuneError(RuntimeError):
     """No candidate of a kernel compiled, or none could be measured."""
 
 
-def same_tiles(a: KernelTiles, b: KernelTiles) -> bool:
+def same_tiles(a: KernelTiles[int | None], b: KernelTiles[int | None]) -> bool:
     return (a.block_b, a.block_h, a.block_v) == (b.block_b, b.block_h, b.block_v)
 
 
-def fitted(shape: Shape, tiles: KernelTiles, kernel: str) -> KernelTiles:
+def fitted(shape: Shape, tiles: KernelTiles[int | None], kernel: str) -> KernelTiles[int | None]:
     """``tiles`` clamped to the problem as the kernels will use them (the forward's whole-hidden ``h``
     stays ``None``; the backward's chunk divides the padded hidden size)."""
     fit = fit_tiles(shape, tiles, backward=kernel == "backward")
@@ -194,7 +196,7 @@ def fitted(shape: Shape, tiles: KernelTiles, kernel: str) -> KernelTiles:
     return KernelTiles(fit.block_b, h, fit.block_v, tiles.w_buffers)
 
 
-def incumbent_tiles(generation: str, bucket: str, kernel: str, shape: Shape) -> KernelTiles | None:
+def incumbent_tiles(generation: str, bucket: str, kernel: str, shape: Shape) -> KernelTiles[int | None] | None:
     """Today's entry of this kernel, fitted to the shape (None: the table has none)."""
     entry = tuned_table().get((generation, bucket))
     if entry is None:
@@ -219,8 +221,8 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
     incumbent = incumbent_tiles(generation, bucket, kernel, problem)
     if incumbent is not None:
         ranked = [incumbent, *(t for t in ranked if not same_tiles(t, incumbent))]
-    chosen: list[KernelTiles] = []
-    refused: list[tuple[KernelTiles, str]] = []
+    chosen: list[KernelTiles[int | None]] = []
+    refused: list[tuple[KernelTiles[int | None], str]] = []
     for tiles in ranked:
         if len(chosen) == max_candidates:
             break
@@ -248,7 +250,7 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
     return KernelChoice(kernel, tiles, record, measured, refused, incumbent)
 
 
-def _label(tiles: KernelTiles) -> str:
+def _label(tiles: KernelTiles[int | None]) -> str:
     text = f"{tiles.block_b}/{tiles.block_h}/{tiles.block_v}"
     return text if tiles.w_buffers is None else f"{text} x{tiles.w_buffers}"
 
@@ -265,7 +267,7 @@ def shorten(text: str, limit: int = NOTE_LIMIT) -> str:
 class _KernelFields(NamedTuple):
     """One kernel's part of a :class:`TunedEntry`: its tiles and their figures (``None``: not measured)."""
 
-    tiles: KernelTiles
+    tiles: KernelTiles[int | None]
     ratio: float | None = None
     hbm_us: float | None = None
     mxu_us: float | None = None
@@ -319,7 +321,7 @@ def _order(key: tuple[str, str]) -> tuple[int, int, str, str]:
             buckets.index(bucket) if bucket in buckets else len(buckets), generation, bucket)
 
 
-def _render_tiles(tiles: KernelTiles) -> str:
+def _render_tiles(tiles: KernelTiles[int | None]) -> str:
     text = f"KernelTiles({tiles.block_b}, {tiles.block_h}, {tiles.block_v}"
     return text + (")" if tiles.w_buffers is None else f", w_buffers={tiles.w_buffers})")
 
