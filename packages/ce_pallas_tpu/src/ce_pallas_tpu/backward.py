@@ -43,7 +43,7 @@ from ce_pallas_tpu import common
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig(common.KernelConfig):
-    """Static shape and tiling of one backward call; ``h`` is the hidden chunk of the dx/dw updates.
+    """Static shape and tiling of one backward call; ``block_h`` is the hidden chunk of the dx/dw updates.
 
     ``w_buffers``: VMEM buffers of the ``w`` and ``dw`` blocks. They change once per vocab block, so
     one buffer each is enough for correctness, but then the next block's ``w`` is fetched (and
@@ -62,8 +62,8 @@ def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *rest
 
     core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = core * cfg.nv_per_core + jj
-    nb, b, vb = cfg.nb, cfg.b, cfg.vb
-    chunks = [pl.ds(start, cfg.h) for start in range(0, cfg.hp, cfg.h)]
+    nb, b, vb = cfg.nb, cfg.block_b, cfg.block_v
+    chunks = [pl.ds(start, cfg.block_h) for start in range(0, cfg.hp, cfg.block_h)]
 
     def body():
         rows = pl.ds(pl.multiple_of(i * b, b), b)
@@ -188,10 +188,10 @@ def backward_call(
     # w and dw change once per vocab block (every nb steps); see BackwardConfig.w_buffers.
     # (Interpret mode ignores buffer counts.)
     w_buffers = pl.Buffered(cfg.w_buffers)
-    column = pl.BlockSpec((cfg.b, 1), rows)
+    column = pl.BlockSpec((cfg.block_b, 1), rows)
     in_specs = [
-        pl.BlockSpec((cfg.b, cfg.hp), rows),
-        common.block_spec((cfg.hp, cfg.vb), w_block, w_buffers),
+        pl.BlockSpec((cfg.block_b, cfg.hp), rows),
+        common.block_spec((cfg.hp, cfg.block_v), w_block, w_buffers),
         column,
         column,
         column,
@@ -207,7 +207,7 @@ def backward_call(
         in_specs += [column, column]
         operands += [expected, g_expected]
     out_specs = [
-        common.block_spec((cfg.hp, cfg.vb), w_block, w_buffers),
+        common.block_spec((cfg.hp, cfg.block_v), w_block, w_buffers),
         pl.BlockSpec(memory_space=pl.ANY),
     ]
     axes = varying_axes_of(*operands)
@@ -217,8 +217,8 @@ def backward_call(
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
     scratch = [
-        pltpu.VMEM((cfg.hp, cfg.vb), jnp.float32),  # dw accumulator
-        pltpu.VMEM((2, cfg.b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
+        pltpu.VMEM((cfg.hp, cfg.block_v), jnp.float32),  # dw accumulator
+        pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
         pltpu.SemaphoreType.DMA((2,)),
     ]
     dw, dx_partials = pl.pallas_call(

@@ -50,7 +50,7 @@ from ce_pallas_tpu.layout import LANES, forward_column_chunk
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig(common.KernelConfig):
-    """Static shape and tiling of one forward call; ``h`` is the hidden block (``hp``: unblocked).
+    """Static shape and tiling of one forward call; ``block_h`` is the hidden block (``hp``: unblocked).
 
     ``mxu_side``: the width of the generation's MXUs, which sets the step's column chunks.
     """
@@ -61,12 +61,12 @@ class ForwardConfig(common.KernelConfig):
     def column_chunk(self) -> int | None:
         """With the hidden dimension whole, a step forms its logit tile and takes its statistics in
         pieces of this many vocab columns (``None``: in one piece)."""
-        return forward_column_chunk(self.mxu_side, self.vb)
+        return forward_column_chunk(self.mxu_side, self.block_v)
 
     @property
     def column_chunks(self) -> list[int]:
         """The first vocab column of each piece of a step's logit tile."""
-        return list(range(0, self.vb, self.column_chunk or self.vb))
+        return list(range(0, self.block_v, self.column_chunk or self.block_v))
 
 
 def _split_refs(refs, cfg: ForwardConfig):
@@ -124,18 +124,18 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         (redo_ref,) = scratch
         if cfg.hidden != cfg.hp:
             common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
-        block_start = block * cfg.vb
-        gap = (jnp.broadcast_to(y_ref[...] - block_start, (cfg.b, LANES))
-               - jax.lax.broadcasted_iota(jnp.int32, (cfg.b, LANES), 1))
+        block_start = block * cfg.block_v
+        gap = (jnp.broadcast_to(y_ref[...] - block_start, (cfg.block_b, LANES))
+               - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
         previous, current = (j + 1) % 2, j % 2
 
         def product(first: int) -> jax.Array:
-            columns = w_ref[:, pl.ds(first, cfg.column_chunk or cfg.vb)]
+            columns = w_ref[:, pl.ds(first, cfg.column_chunk or cfg.block_v)]
             return common.matmul(x_ref[...], columns, cfg.precision)
 
         # Taken exactly: the first block of a row (no reference yet) and a ragged last block.
         exact = j == 0
-        if cfg.v % cfg.vb:
+        if cfg.v % cfg.block_v:
             exact = exact | (block == cfg.nv - 1)
         redo_ref[0] = exact.astype(jnp.int32)
 
@@ -147,11 +147,11 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
             # Compared before reducing, so that NaN rows cannot hide an overflowing one; the garbage
             # rows of a ragged token block are left out, so they never force a redo.
             over = state[1] > tile_stats.OVERFLOW_SUM
-            if cfg.n % cfg.b:
-                over = over & (jax.lax.broadcasted_iota(jnp.int32, over.shape, 0) < cfg.n - i * cfg.b)
+            if cfg.n % cfg.block_b:
+                over = over & (jax.lax.broadcasted_iota(jnp.int32, over.shape, 0) < cfg.n - i * cfg.block_b)
             redo_ref[0] = jnp.max(over.astype(jnp.int32))
 
-        if cfg.vb % LANES == 0:  # else the block is the row's only one (vb == V), always taken exactly
+        if cfg.block_v % LANES == 0:  # else the block is the row's only one (block_v == V), always taken exactly
             pl.when(in_range & jnp.logical_not(exact))(streamed)
 
         @pl.when(in_range & (redo_ref[0] != 0))
@@ -192,7 +192,7 @@ def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
 
         @pl.when(k == cfg.nh - 1)
         def _():
-            write_state(tile_stats.row_update(acc_ref[...], block * cfg.vb, y_ref[...], read_state(), cfg))
+            write_state(tile_stats.row_update(acc_ref[...], block * cfg.block_v, y_ref[...], read_state(), cfg))
 
     if guarded:
         pl.when(in_range)(accumulate)
@@ -216,22 +216,22 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     # enough (it changes once per token block), which halves its VMEM. (Interpret mode ignores it.)
     x_mode = pl.Buffered(1) if cfg.nh == 1 else None
     in_specs = [
-        common.block_spec((cfg.b, cfg.h), lambda c, i, j, k: (i, k), x_mode),
-        pl.BlockSpec((cfg.h, cfg.vb), w_block),
-        pl.BlockSpec((cfg.b, 1), lambda c, i, j, k: (i, 0)),
+        common.block_spec((cfg.block_b, cfg.block_h), lambda c, i, j, k: (i, k), x_mode),
+        pl.BlockSpec((cfg.block_h, cfg.block_v), w_block),
+        pl.BlockSpec((cfg.block_b, 1), lambda c, i, j, k: (i, 0)),
     ]
     num_out = cfg.n_stats
-    stat_spec = pl.BlockSpec((pl.squeezed, cfg.b, 1), lambda c, i, j, k: (c, i, 0))
+    stat_spec = pl.BlockSpec((pl.squeezed, cfg.block_b, 1), lambda c, i, j, k: (c, i, 0))
     axes = varying_axes_of(x, w, labels)
     x, w, labels = (vary(value, axes) for value in (x, w, labels))
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), jnp.float32, axes)] * num_out
     # Running max (streamed: reference), sum of exp, label logit (, logit sum)(, weighted sum), per
     # row, or per row and lane when streamed.
     if cfg.nh > 1:
-        scratch = [pltpu.VMEM((cfg.b, 1), jnp.float32)] * (cfg.n_stats + 1)
-        scratch.append(pltpu.VMEM((cfg.b, cfg.vb), jnp.float32))  # logits summed over hidden blocks
+        scratch = [pltpu.VMEM((cfg.block_b, 1), jnp.float32)] * (cfg.n_stats + 1)
+        scratch.append(pltpu.VMEM((cfg.block_b, cfg.block_v), jnp.float32))  # logits summed over hidden blocks
     else:
-        scratch = [pltpu.VMEM((2, cfg.b, LANES), jnp.float32)] * (cfg.n_stats + 1)
+        scratch = [pltpu.VMEM((2, cfg.block_b, LANES), jnp.float32)] * (cfg.n_stats + 1)
         scratch.append(pltpu.SMEM((1,), jnp.int32))  # whether this step is taken exactly
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg),

@@ -15,7 +15,7 @@ from typing import TypedDict
 import jax
 import jax.numpy as jnp
 
-from ce_core import BlockSizes, PassTiles, RowStats, StatsSpec, TileReport
+from ce_core import PassTiles, RowStats, StatsSpec, TileReport
 from ce_pallas_tpu import tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
@@ -46,8 +46,8 @@ class Plan:
         f, b = self.forward, self.backward
         return TileReport(
             passes=(
-                PassTiles("forward", BlockSizes(f.b, f.h, f.vb), (f.num_cores, f.nb, f.nv_per_core, f.nh)),
-                PassTiles("backward", BlockSizes(b.b, b.h, b.vb), (b.num_cores, b.nv_per_core, b.nb)),
+                PassTiles("forward", f.block_sizes, (f.num_cores, f.nb, f.nv_per_core, f.nh)),
+                PassTiles("backward", b.block_sizes, (b.num_cores, b.nv_per_core, b.nb)),
             ),
             source=self.tiles.source,
             details={"backward_w_buffers": str(b.w_buffers), "precision": f.precision},
@@ -122,17 +122,17 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
     nv_forward = cdiv(v, tiles.forward.block_v)
     nv_backward = cdiv(v, tiles.backward.block_v)
     forward = ForwardConfig(
-        b=tiles.forward.block_b,
-        h=tiles.forward.block_h,
-        vb=tiles.forward.block_v,
+        block_b=tiles.forward.block_b,
+        block_h=tiles.forward.block_h,
+        block_v=tiles.forward.block_v,
         num_cores=active_cores(target.num_cores, nv_forward),
         mxu_side=target.facts.mxu_side,
         **common,
     )
     backward = BackwardConfig(
-        b=tiles.backward.block_b,
-        h=tiles.backward.block_h,
-        vb=tiles.backward.block_v,
+        block_b=tiles.backward.block_b,
+        block_h=tiles.backward.block_h,
+        block_v=tiles.backward.block_v,
         num_cores=active_cores(target.num_cores, nv_backward),
         w_buffers=tiling.backward_w_buffers(shape, tiles.backward, target),
         **common,

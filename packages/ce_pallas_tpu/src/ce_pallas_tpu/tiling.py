@@ -1,9 +1,10 @@
 """Tile sizes: the inference rule, the shape buckets, validation, and how the tuned table is used.
 
-Both kernels read three sizes. The forward: ``b`` tokens x ``v`` vocab columns per logit tile, and
-``h`` hidden rows per step (``None``: the whole hidden dimension, ``x`` then stays resident in VMEM
-across the vocab loop). The backward: ``b`` and ``v`` the same way (its tiles always span the whole
-hidden dimension, because ``delta`` needs complete logits) and ``h`` the chunk in which the
+Both kernels read three sizes (:class:`ce_pallas_tpu.tile_types.KernelTiles`). The forward:
+``block_b`` tokens x ``block_v`` vocab columns per logit tile, and ``block_h`` hidden rows per step
+(``None``: the whole hidden dimension, ``x`` then stays resident in VMEM across the vocab loop). The
+backward: ``block_b`` and ``block_v`` the same way (its tiles always span the whole hidden
+dimension, because ``delta`` needs complete logits) and ``block_h`` the chunk in which the
 ``dx``/``dw`` products are formed (bounding their temporaries).
 
 Order of precedence:
@@ -87,9 +88,9 @@ def vmem_limit(target: Target) -> int:
 # Resolving tiles for one problem.
 
 
-def _divisor_at_most(hp: int, h: int) -> int:
-    """The largest multiple of 128 that divides ``hp`` and is at most ``h`` (at least 128)."""
-    for candidate in range(min(h, hp) // LANES * LANES, 0, -LANES):
+def _divisor_at_most(hp: int, block_h: int) -> int:
+    """The largest multiple of 128 that divides ``hp`` and is at most ``block_h`` (at least 128)."""
+    for candidate in range(min(block_h, hp) // LANES * LANES, 0, -LANES):
         if hp % candidate == 0:
             return candidate
     return LANES
@@ -148,9 +149,9 @@ _COLUMNS = (2048, 1024, 512, 256, 128)
 
 def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tuple[int, KernelTiles[int]]]:
     """``(footprint, tiles)`` of the forward tiles the inference rule considers that fit ``budget``."""
-    hiddens = [None] + [h for h in (4096, 2048, 1024, 512, 256, 128) if h < shape.hp and shape.hp % h == 0]
-    for b, v, h in itertools.product(_TOKENS, _COLUMNS, hiddens):
-        tiles = fit_tiles(shape, KernelTiles(b, h, v), backward=False)
+    hiddens = [None] + [size for size in (4096, 2048, 1024, 512, 256, 128) if size < shape.hp and shape.hp % size == 0]
+    for block_b, block_v, block_h in itertools.product(_TOKENS, _COLUMNS, hiddens):
+        tiles = fit_tiles(shape, KernelTiles(block_b, block_h, block_v), backward=False)
         need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
                                         mxu_side=target.facts.mxu_side)
         if need <= budget:
@@ -159,8 +160,8 @@ def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tupl
 
 def _backward_options(shape: Shape, budget: int) -> Iterator[tuple[int, KernelTiles[int]]]:
     """``(footprint, tiles)`` of the backward tiles the inference rule considers that fit ``budget``."""
-    for b, v in itertools.product(_TOKENS, _COLUMNS):
-        tiles = fit_tiles(shape, KernelTiles(b, _BACKWARD_CHUNK, v), backward=True)
+    for block_b, block_v in itertools.product(_TOKENS, _COLUMNS):
+        tiles = fit_tiles(shape, KernelTiles(block_b, _BACKWARD_CHUNK, block_v), backward=True)
         need = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
         if need <= budget:
             yield need, tiles
@@ -240,20 +241,20 @@ def backward_w_buffers(shape: Shape, tiles: KernelTiles[int], target: Target) ->
 
 def validate_explicit(block_sizes: BlockSizes, hp: int) -> None:
     """``ValueError`` (saying why) for explicit sizes the kernels can never use."""
-    b, h, v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
-    if b is not None and b % SUBLANES:
+    block_b, block_h, block_v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
+    if block_b is not None and block_b % SUBLANES:
         raise ValueError(
-            f"pallas_tpu: BlockSizes.b_block_size={b} must be a multiple of {SUBLANES} "
+            f"pallas_tpu: BlockSizes.b_block_size={block_b} must be a multiple of {SUBLANES} "
             "(TPU sublanes: a token block is the second-minor dimension of its tiles)"
         )
-    if v is not None and v % LANES:
+    if block_v is not None and block_v % LANES:
         raise ValueError(
-            f"pallas_tpu: BlockSizes.v_block_size={v} must be a multiple of {LANES} "
+            f"pallas_tpu: BlockSizes.v_block_size={block_v} must be a multiple of {LANES} "
             "(TPU lanes: a vocab block is the minor dimension of the logit and w tiles)"
         )
-    if h is not None and (h % LANES or hp % h):
+    if block_h is not None and (block_h % LANES or hp % block_h):
         raise ValueError(
-            f"pallas_tpu: BlockSizes.h_block_size={h} must be a multiple of {LANES} that divides the "
+            f"pallas_tpu: BlockSizes.h_block_size={block_h} must be a multiple of {LANES} that divides the "
             f"hidden size padded to {LANES} (Hp={hp}): hidden blocks are contracted, so none may be ragged"
         )
 
@@ -263,15 +264,15 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None) 
     if block_sizes is None:
         return tuned_tiles(shape, target)
     validate_explicit(block_sizes, shape.hp)
-    b, h, v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
-    if b is not None and h is not None and v is not None:
+    block_b, block_h, block_v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
+    if block_b is not None and block_h is not None and block_v is not None:
         check_some_tiles_fit(shape, target)  # the problem itself may be too large for this VMEM
-        forward = backward = KernelTiles(b, h, v)
+        forward = backward = KernelTiles(block_b, block_h, block_v)
     else:  # the tuned tiles fill the sizes not given (and only then are they worked out)
         base = tuned_tiles(shape, target)
         f, bw = base.forward, base.backward
-        forward = KernelTiles(b or f.block_b, f.block_h if h is None else h, v or f.block_v)
-        backward = KernelTiles(b or bw.block_b, h or bw.block_h, v or bw.block_v)
+        forward = KernelTiles(block_b or f.block_b, f.block_h if block_h is None else block_h, block_v or f.block_v)
+        backward = KernelTiles(block_b or bw.block_b, block_h or bw.block_h, block_v or bw.block_v)
     tiles = Tiles(fit_tiles(shape, forward, backward=False), fit_tiles(shape, backward, backward=True), "explicit")
     _check_explicit_vmem(shape, target, block_sizes, tiles)
     return tiles

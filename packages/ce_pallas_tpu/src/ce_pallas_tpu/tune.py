@@ -91,19 +91,19 @@ def _ranked(options: list[tuple[tuple[bool, bool, float, int], KernelTiles[int |
 
 
 def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles[int | None]]:
-    """Forward tiles worth compiling, best guess first (``x`` resident: ``h=None``)."""
+    """Forward tiles worth compiling, best guess first (``x`` resident: ``block_h=None``)."""
     chip = SCHEDULE_CHIPS[generation]
     limit = _prefilter_bytes(generation)
     options = []
-    for b, vb in itertools.product(FORWARD_TOKENS, FORWARD_COLUMNS):
-        b, vb = min(b, shape.n), min(vb, shape.v)
-        cycles = mxu_cycles(generation, "forward", b, shape.hp, vb)
+    for block_b, block_v in itertools.product(FORWARD_TOKENS, FORWARD_COLUMNS):
+        block_b, block_v = min(block_b, shape.n), min(block_v, shape.v)
+        cycles = mxu_cycles(generation, "forward", block_b, shape.hp, block_v)
         mxu_s = cycles / chip.clock_hz
-        hbm_s = shape.hp * vb * shape.w_bytes / chip.hbm_bytes_per_s  # the w block; x stays resident
-        need = forward_bytes(shape, b, shape.hp, vb, mxu_side=CHIP_FACTS[generation].mxu_side)
+        hbm_s = shape.hp * block_v * shape.w_bytes / chip.hbm_bytes_per_s  # the w block; x stays resident
+        need = forward_bytes(shape, block_b, shape.hp, block_v, mxu_side=CHIP_FACTS[generation].mxu_side)
         if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
             rank = _rank(hbm_s / mxu_s, cycles, need, long_step=FORWARD_LONG_STEP)
-            options.append((rank, KernelTiles(b, None, vb)))
+            options.append((rank, KernelTiles(block_b, None, block_v)))
     return _ranked(options)
 
 
@@ -112,17 +112,17 @@ def backward_candidates(shape: Shape, generation: str) -> list[KernelTiles[int |
     chip = SCHEDULE_CHIPS[generation]
     limit = _prefilter_bytes(generation)
     options = []
-    for b, vb in itertools.product(BACKWARD_TOKENS, BACKWARD_COLUMNS):
-        b, vb = min(b, shape.n), min(vb, shape.v)
-        cycles = mxu_cycles(generation, "backward", b, shape.hp, vb)
+    for block_b, block_v in itertools.product(BACKWARD_TOKENS, BACKWARD_COLUMNS):
+        block_b, block_v = min(block_b, shape.n), min(block_v, shape.v)
+        cycles = mxu_cycles(generation, "backward", block_b, shape.hp, block_v)
         mxu_s = cycles / chip.clock_hz
-        hbm_s = b * shape.hp * (shape.x_bytes + 8) / chip.hbm_bytes_per_s  # x, and the dx partial in and out
-        need = backward_bytes(shape, b, BACKWARD_CHUNK, vb)
+        hbm_s = block_b * shape.hp * (shape.x_bytes + 8) / chip.hbm_bytes_per_s  # x, and the dx partial in and out
+        need = backward_bytes(shape, block_b, BACKWARD_CHUNK, block_v)
         if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
             # Fewer than 256 token rows per step underfeed the logits and dx products (the MXU
-            # reloads its weights every b rows): last resort, for hidden sizes where nothing else fits.
-            rank = _rank(hbm_s / mxu_s, cycles, need, few_rows=b < 256)
-            options.append((rank, KernelTiles(b, BACKWARD_CHUNK, vb)))
+            # reloads its weights every block_b rows): last resort, for hidden sizes where nothing else fits.
+            rank = _rank(hbm_s / mxu_s, cycles, need, few_rows=block_b < 256)
+            options.append((rank, KernelTiles(block_b, BACKWARD_CHUNK, block_v)))
     return _ranked(options)
 
 
@@ -189,11 +189,11 @@ def same_tiles(a: KernelTiles[int | None], b: KernelTiles[int | None]) -> bool:
 
 
 def fitted(shape: Shape, tiles: KernelTiles[int | None], kernel: str) -> KernelTiles[int | None]:
-    """``tiles`` clamped to the problem as the kernels will use them (the forward's whole-hidden ``h``
-    stays ``None``; the backward's chunk divides the padded hidden size)."""
+    """``tiles`` clamped to the problem as the kernels will use them (the forward's whole-hidden
+    ``block_h`` stays ``None``; the backward's chunk divides the padded hidden size)."""
     fit = fit_tiles(shape, tiles, backward=kernel == "backward")
-    h = None if kernel == "forward" and fit.block_h == shape.hp else fit.block_h
-    return KernelTiles(fit.block_b, h, fit.block_v, tiles.w_buffers)
+    block_h = None if kernel == "forward" and fit.block_h == shape.hp else fit.block_h
+    return KernelTiles(fit.block_b, block_h, fit.block_v, tiles.w_buffers)
 
 
 def incumbent_tiles(generation: str, bucket: str, kernel: str, shape: Shape) -> KernelTiles[int | None] | None:
