@@ -23,19 +23,23 @@ from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
-from ce_pallas_tpu.tile_types import Tiles
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything static about one row-statistics call (hashable: a custom_vjp static argument)."""
+    """Everything static about one row-statistics call (hashable: a custom_vjp static argument).
+
+    ``n``, ``h``, ``v``: the problem's sizes; each kernel's tiles are in its config (``block_b``,
+    ``block_h``, ``block_v``); ``source``: where the tiles came from (``table:<gen>/<bucket>``,
+    ``inferred``, ``explicit``).
+    """
 
     n: int
     h: int
     v: int
     forward: ForwardConfig
     backward: BackwardConfig
-    tiles: Tiles
+    source: str
 
     @property
     def hp(self) -> int:
@@ -49,7 +53,7 @@ class Plan:
                 PassTiles("forward", f.block_sizes, (f.num_cores, f.nb, f.nv_per_core, f.nh)),
                 PassTiles("backward", b.block_sizes, (b.num_cores, b.nv_per_core, b.nb)),
             ),
-            source=self.tiles.source,
+            source=self.source,
             details={"backward_w_buffers": str(b.w_buffers), "precision": f.precision},
         )
 
@@ -137,7 +141,7 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
         w_buffers=tiling.backward_w_buffers(shape, tiles.backward, target),
         **common,
     )
-    return Plan(n, h, v, forward, backward, tiles)
+    return Plan(n, h, v, forward, backward, tiles.source)
 
 
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
