@@ -225,8 +225,9 @@ def check_some_tiles_fit(shape: Shape, target: Target) -> None:
     """``UnsupportedError`` exactly where :func:`tuned_tiles` raises it, without choosing any tiles:
     not even the smallest tiles fit the VMEM budget, and neither does the table's entry."""
     budget = vmem_budget(target)
-    first = next(_forward_options(shape, target, budget), None), next(_backward_options(shape, budget), None)
-    if None in first and _table_tiles(shape, target) is None:
+    inferable = (next(_forward_options(shape, target, budget), None) is not None
+                 and next(_backward_options(shape, budget), None) is not None)
+    if not inferable and _table_tiles(shape, target) is None:
         raise _too_large(shape, target, budget)
 
 
