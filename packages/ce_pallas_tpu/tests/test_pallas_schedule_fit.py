@@ -9,9 +9,9 @@ from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
 from ce_pallas_tpu.schedule.grid_fit import BilinearFit, grid_points, small_grid
 
 
-def _config(n: int, v: int, b: int, vb: int, cores: int) -> KernelConfig:
-    return KernelConfig(n=n, hidden=4096, hp=4096, v=v, b=b, h=4096, vb=vb, num_cores=cores, logit_soft_cap=None,
-                        with_sum=False, interpret=False, vmem_limit_bytes=None)
+def _config(n: int, v: int, block_b: int, block_v: int, cores: int) -> KernelConfig:
+    return KernelConfig(n=n, hidden=4096, hp=4096, v=v, block_b=block_b, block_h=4096, block_v=block_v,
+                        num_cores=cores, logit_soft_cap=None, with_sum=False, interpret=False, vmem_limit_bytes=None)
 
 
 @pytest.mark.parametrize("cores", [1, 2])
@@ -19,9 +19,9 @@ def test_small_grids_keep_the_tiles_and_the_raggedness(cores):
     full = _config(8000, 128256, 512, 512, cores)  # ragged last token block and last vocab block
     for kb, kv in grid_points(full):
         small = small_grid(full, kb, kv)
-        assert (small.nb, small.nv_per_core, small.b, small.vb) == (kb, kv, full.b, full.vb)
-        assert small.n % small.b == full.n % full.b
-        assert small.v % small.vb == full.v % full.vb
+        assert (small.nb, small.nv_per_core, small.block_b, small.block_v) == (kb, kv, full.block_b, full.block_v)
+        assert small.n % small.block_b == full.n % full.block_b
+        assert small.v % small.block_v == full.v % full.block_v
         # A core short of a block at full size is short of one at the small size too.
         assert small.num_cores * small.nv_per_core - small.nv == full.num_cores * full.nv_per_core - full.nv
 

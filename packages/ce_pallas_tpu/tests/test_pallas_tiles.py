@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 import ce_core
 import ce_pallas_tpu
 from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
-from ce_pallas_tpu import cost_model, tiling, tune
+from ce_core.extend import random_problem
+from ce_pallas_tpu import cost_model, ops, tiling, tune
 from ce_pallas_tpu.ops import problem_shape
 from ce_pallas_tpu.target import CHIP_FACTS, Target, active_cores, current_target
 from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry
@@ -116,6 +118,13 @@ def test_an_entry_with_two_w_buffers_falls_back_to_one_before_inference(monkeypa
     assert tiles.source == "table:v5e/llama3" and tiles.backward.w_buffers == 1
 
 
+def test_fitted_tiles_is_a_deprecated_name_of_kernel_tiles():
+    with pytest.warns(DeprecationWarning, match="use KernelTiles"):
+        assert ce_pallas_tpu.FittedTiles is KernelTiles
+    with pytest.raises(AttributeError):
+        _ = ce_pallas_tpu.NoSuchName
+
+
 def test_small_dimensions_become_whole_dimension_blocks():
     tiles = tiling.tuned_tiles(_shape(37, 48, 203), _target("v5p"))
     assert tiles.forward.block_b == 37 and tiles.forward.block_v == 203 and tiles.forward.block_h == 128
@@ -128,6 +137,32 @@ def test_explicit_block_sizes_override_both_kernels():
     assert (tiles.backward.block_b, tiles.backward.block_h, tiles.backward.block_v) == (256, 1024, 384)
     partial = tiling.resolve_tiles(_shape(8192, 4096, 128256), _target("v5p"), BlockSizes(v_block_size=256))
     assert partial.forward.block_v == partial.backward.block_v == 256
+
+
+def test_explicit_block_sizes_alone_never_work_out_the_tuned_tiles(monkeypatch):
+    def fail(*_):
+        raise AssertionError("the tuned tiles were worked out")
+
+    monkeypatch.setattr(tiling, "tuned_tiles", fail)
+    monkeypatch.setattr(tiling, "_infer", fail)
+    tiles = tiling.resolve_tiles(_shape(8192, 4096, 128256), _target("v5p"), BlockSizes(256, 1024, 384))
+    assert tiles.source == "explicit" and tiles.backward.sizes == (256, 1024, 384)
+    # A hidden size no tiles fit is still unsupported (the fallback chain moves on), not a ValueError.
+    with pytest.raises(UnsupportedError, match="even with the smallest tiles"):
+        tiling.resolve_tiles(_shape(4096, 8192, 256000, jnp.float32), _target("v4"), BlockSizes(256, 1024, 384))
+
+
+def test_a_call_makes_its_plan_once(interpret):
+    interpret("v5p")
+    x, labels, w = random_problem(3, (40,), 128, 300)
+    ops._cached_plan.cache_clear()
+
+    def loss(x_, w_):
+        return ce_core.linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu")
+
+    jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+    info = ops._cached_plan.cache_info()
+    assert info.misses == 1 and info.hits >= 1, info  # the backend's check, then the kernels
 
 
 @pytest.mark.parametrize(

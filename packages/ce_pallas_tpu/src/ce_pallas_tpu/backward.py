@@ -13,7 +13,7 @@ blocks)``, token blocks innermost:
 - leading core axis (``parallel``: Mosaic spreads it over the TensorCores of the device the call is
   compiled for, and loops over it on a one-core device): each core owns a contiguous range of vocab
   blocks, so each ``dw`` column block belongs to exactly one core and no per-core copy of ``dw`` exists;
-- for one vocab block the ``[Hp, v]`` ``dw`` tile is accumulated in a float32 VMEM scratch over all
+- for one vocab block the ``[Hp, block_v]`` ``dw`` tile is accumulated in a float32 VMEM scratch over all
   token blocks and written to HBM once, in the dtype of ``w``;
 - ``dx`` needs every vocab block, so each core keeps a float32 partial ``[Np, Hp]`` in HBM: the
   first vocab block of a core writes it, later ones read-add-write it with manual DMAs (the read
@@ -25,12 +25,18 @@ Ragged edges are masked in the kernel: garbage rows of ``x`` in the last token b
 columns of ``w`` in the last vocab block and garbage past ``H`` in both (blocks span ``Hp``, ``H``
 rounded up to 128) are zeroed in their VMEM buffers before they enter a product (``0 * NaN`` would
 poison ``dx``/``dw``), and ``delta`` is zeroed outside ``[0, N) x [0, V)``.
+
+A grid step, in program order: the ``dx`` rows' read started (:func:`_begin_dx_rows`), the ragged
+operands masked (:func:`_mask_ragged_operands`), ``delta`` formed (:func:`_logit_cotangent`), then
+the ``dw`` step (:func:`_dw_step`) and the ``dx`` step (:func:`_dx_step`), each in ``block_h``-row
+chunks of the hidden dimension.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +49,7 @@ from ce_pallas_tpu import common
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig(common.KernelConfig):
-    """Static shape and tiling of one backward call; ``h`` is the hidden chunk of the dx/dw updates.
+    """Static shape and tiling of one backward call; ``block_h`` is the hidden chunk of the dx/dw updates.
 
     ``w_buffers``: VMEM buffers of the ``w`` and ``dw`` blocks. They change once per vocab block, so
     one buffer each is enough for correctness, but then the next block's ``w`` is fetched (and
@@ -54,109 +60,164 @@ class BackwardConfig(common.KernelConfig):
     w_buffers: int = 1
 
 
+class _Rows(NamedTuple):
+    """The kernel's per-row ``[block_b, 1]`` inputs: labels, lse, the cotangents of the statistics and
+    (for the entropy) the rows' expected logit; absent ones None."""
+
+    y: Any
+    lse: Any
+    g_lse: Any
+    g_label: Any
+    g_sum: Any | None
+    expected: Any | None
+    g_expected: Any | None
+
+
+class _DxRows(NamedTuple):
+    """The step's ``dx`` rows: the VMEM slot they are read into, accumulated in and written from, and
+    the DMAs that read them from and write them to the core's partial in HBM."""
+
+    slot: jax.Array
+    read: Any
+    write: Any
+    previous_write: Any  # the other slot's write, one token block earlier
+
+
 def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *rest, cfg: BackwardConfig):
     refs = list(rest)
     g_sum_ref = refs.pop(0) if cfg.with_sum else None
     expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
     dw_ref, dxp_hbm, dw_acc, dx_buf, sems = refs
+    rows = _Rows(y_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
 
     core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block = core * cfg.nv_per_core + jj
-    nb, b, vb = cfg.nb, cfg.b, cfg.vb
-    chunks = [pl.ds(start, cfg.h) for start in range(0, cfg.hp, cfg.h)]
+    block = core * cfg.nv_per_core + jj  # the global vocab block
 
-    def body():
-        rows = pl.ds(pl.multiple_of(i * b, b), b)
-        slot = i % 2  # dx rows of this token block: read into, accumulated in and written from here
-        read = pltpu.make_async_copy(dxp_hbm.at[core, rows], dx_buf.at[slot], sems.at[0])
-        write = pltpu.make_async_copy(dx_buf.at[slot], dxp_hbm.at[core, rows], sems.at[1])
-        previous_write = pltpu.make_async_copy(dx_buf.at[1 - slot], dxp_hbm.at[core, pl.ds(0, b)], sems.at[1])
+    def step():
+        dx_rows = _dx_rows(dxp_hbm, dx_buf, sems, core, i, cfg)
+        _begin_dx_rows(dx_rows, dx_buf, jj)
+        _mask_ragged_operands(x_ref, w_ref, i, block, cfg)
+        d = _logit_cotangent(x_ref, w_ref, rows, i, block, cfg)
+        _dw_step(x_ref, d, dw_acc, dw_ref, i, cfg)
+        _dx_step(w_ref, d, dx_buf, dx_rows, i, jj, cfg)
 
-        # The slot's last write (two token blocks ago) was waited for in the previous step.
-        @pl.when(jj > 0)
-        def _():
-            read.start()
-
-        @pl.when(jj == 0)
-        def _():
-            dx_buf[slot] = jnp.zeros(dx_buf.shape[1:], jnp.float32)
-
-        # Garbage rows of x / columns of w in ragged last blocks are zeroed in their VMEM buffers:
-        # they would otherwise meet a zero of delta in a product (0 * NaN = NaN).
-        if cfg.n % b:
-
-            @pl.when(i == nb - 1)
-            def _():
-                row = i * b + jax.lax.broadcasted_iota(jnp.int32, x_ref.shape, 0)
-                x_ref[...] = jnp.where(row < cfg.n, x_ref[...], jnp.zeros((), x_ref.dtype))
-
-        if cfg.hidden != cfg.hp:
-            common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
-
-        if cfg.v % vb:
-
-            @pl.when(block == cfg.nv - 1)
-            def _():
-                col = block * vb + jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
-                w_ref[...] = jnp.where(col < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
-
-        z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
-        col = block * vb + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-        p = jnp.exp(z - lse_ref[...])
-        if expected_ref is None or g_expected_ref is None:
-            delta = g_lse_ref[...] * p
-        else:
-            delta = p * (g_lse_ref[...] + g_expected_ref[...] * (1.0 + z - expected_ref[...]))
-        delta = delta + jnp.where(col == y_ref[...], g_label_ref[...], 0.0)
-        if g_sum_ref is not None:
-            delta = delta + g_sum_ref[...]
-        if t is not None:
-            delta = delta * (1.0 - t * t)
-        valid = None
-        if cfg.v % vb:
-            valid = col < cfg.v
-        if cfg.n % b:
-            row_ok = (i * b + jax.lax.broadcasted_iota(jnp.int32, z.shape, 0)) < cfg.n
-            valid = row_ok if valid is None else valid & row_ok
-        if valid is not None:
-            delta = jnp.where(valid, delta, 0.0)
-        d = delta.astype(common.mxu_dtype(cfg.precision))
-
-        # dw tile: accumulated over token blocks in VMEM, written once. The accumulator is zeroed
-        # first and the product added unconditionally, so the MXU result goes straight into it.
-        @pl.when(i == 0)
-        def _():
-            dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
-
-        for chunk in chunks:
-            dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
-
-        @pl.when(i == nb - 1)
-        def _():
-            dw_ref[...] = dw_acc[...].astype(dw_ref.dtype)
-
-        # dx partial of this core: read-add-write in HBM, the product added straight into the slot.
-        @pl.when(jj > 0)
-        def _():
-            read.wait()
-
-        for chunk in chunks:
-            dx_buf[slot, :, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
-
-        @pl.when(i > 0)
-        def _():
-            previous_write.wait()
-
-        write.start()
-
-        @pl.when(i == nb - 1)
-        def _():
-            write.wait()
-
-    if cfg.nv_per_core * cfg.num_cores != cfg.nv:
-        pl.when(block < cfg.nv)(body)
+    if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
+        pl.when(block < cfg.nv)(step)
     else:
-        body()
+        step()
+
+
+def _hidden_chunks(cfg: BackwardConfig) -> list[pl.Slice]:
+    """The ``block_h``-row chunks of the hidden dimension in which the dw and dx products are formed."""
+    return [pl.ds(start, cfg.block_h) for start in range(0, cfg.hp, cfg.block_h)]
+
+
+def _dx_rows(dxp_hbm, dx_buf, sems, core, i, cfg: BackwardConfig) -> _DxRows:
+    rows = pl.ds(pl.multiple_of(i * cfg.block_b, cfg.block_b), cfg.block_b)
+    slot = i % 2
+    read = pltpu.make_async_copy(dxp_hbm.at[core, rows], dx_buf.at[slot], sems.at[0])
+    write = pltpu.make_async_copy(dx_buf.at[slot], dxp_hbm.at[core, rows], sems.at[1])
+    previous_write = pltpu.make_async_copy(dx_buf.at[1 - slot], dxp_hbm.at[core, pl.ds(0, cfg.block_b)], sems.at[1])
+    return _DxRows(slot, read, write, previous_write)
+
+
+def _begin_dx_rows(dx_rows: _DxRows, dx_buf, jj) -> None:
+    """The core's dx partial rows of this token block: read from HBM (waited for in :func:`_dx_step`),
+    or zeros at the core's first vocab block."""
+
+    # The slot's last write (two token blocks ago) was waited for in the previous step.
+    @pl.when(jj > 0)
+    def _():
+        dx_rows.read.start()
+
+    @pl.when(jj == 0)
+    def _():
+        dx_buf[dx_rows.slot] = jnp.zeros(dx_buf.shape[1:], jnp.float32)
+
+
+def _mask_ragged_operands(x_ref, w_ref, i, block, cfg: BackwardConfig) -> None:
+    """Garbage rows of x / columns of w in ragged last blocks, and past ``H`` in both, zeroed in their
+    VMEM buffers: they would otherwise meet a zero of delta in a product (0 * NaN = NaN)."""
+    if cfg.n % cfg.block_b:
+
+        @pl.when(i == cfg.nb - 1)
+        def _():
+            row = i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, x_ref.shape, 0)
+            x_ref[...] = jnp.where(row < cfg.n, x_ref[...], jnp.zeros((), x_ref.dtype))
+
+    if cfg.hidden != cfg.hp:
+        common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
+
+    if cfg.v % cfg.block_v:
+
+        @pl.when(block == cfg.nv - 1)
+        def _():
+            col = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
+            w_ref[...] = jnp.where(col < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
+
+
+def _logit_cotangent(x_ref, w_ref, rows: _Rows, i, block, cfg: BackwardConfig) -> jax.Array:
+    """``delta`` of the tile (see the module docs) from its recomputed logits, zero outside
+    ``[0, N) x [0, V)``, in the products' dtype."""
+    z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
+    col = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    p = jnp.exp(z - rows.lse[...])
+    if rows.expected is None or rows.g_expected is None:
+        delta = rows.g_lse[...] * p
+    else:
+        delta = p * (rows.g_lse[...] + rows.g_expected[...] * (1.0 + z - rows.expected[...]))
+    delta = delta + jnp.where(col == rows.y[...], rows.g_label[...], 0.0)
+    if rows.g_sum is not None:
+        delta = delta + rows.g_sum[...]
+    if t is not None:
+        delta = delta * (1.0 - t * t)
+    valid = None
+    if cfg.v % cfg.block_v:
+        valid = col < cfg.v
+    if cfg.n % cfg.block_b:
+        row_ok = (i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, z.shape, 0)) < cfg.n
+        valid = row_ok if valid is None else valid & row_ok
+    if valid is not None:
+        delta = jnp.where(valid, delta, 0.0)
+    return delta.astype(common.mxu_dtype(cfg.precision))
+
+
+def _dw_step(x_ref, d: jax.Array, dw_acc, dw_ref, i, cfg: BackwardConfig) -> None:
+    """The dw tile: accumulated over token blocks in VMEM, written once. The accumulator is zeroed
+    first and the product added unconditionally, so the MXU result goes straight into it."""
+
+    @pl.when(i == 0)
+    def _():
+        dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
+
+    for chunk in _hidden_chunks(cfg):
+        dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
+
+    @pl.when(i == cfg.nb - 1)
+    def _():
+        dw_ref[...] = dw_acc[...].astype(dw_ref.dtype)
+
+
+def _dx_step(w_ref, d: jax.Array, dx_buf, dx_rows: _DxRows, i, jj, cfg: BackwardConfig) -> None:
+    """The core's dx partial: read-add-write in HBM, the product added straight into the slot; the
+    write of one token block is waited for while the next one computes."""
+
+    @pl.when(jj > 0)
+    def _():
+        dx_rows.read.wait()
+
+    for chunk in _hidden_chunks(cfg):
+        dx_buf[dx_rows.slot, :, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
+
+    @pl.when(i > 0)
+    def _():
+        dx_rows.previous_write.wait()
+
+    dx_rows.write.start()
+
+    @pl.when(i == cfg.nb - 1)
+    def _():
+        dx_rows.write.wait()
 
 
 def backward_call(
@@ -177,53 +238,22 @@ def backward_call(
     cotangents are ``[N, 1]`` (``g_sum`` only with ``cfg.with_sum``, ``expected`` and ``g_expected``
     only with ``cfg.with_expected``).
     """
-    nvc, nv = cfg.nv_per_core, cfg.nv
-
-    def w_block(c, j, i):
-        return (0, jnp.minimum(c * nvc + j, nv - 1))
-
-    def rows(c, j, i):
-        return (i, 0)
-
-    # w and dw change once per vocab block (every nb steps); see BackwardConfig.w_buffers.
-    # (Interpret mode ignores buffer counts.)
-    w_buffers = pl.Buffered(cfg.w_buffers)
-    column = pl.BlockSpec((cfg.b, 1), rows)
-    in_specs = [
-        pl.BlockSpec((cfg.b, cfg.hp), rows),
-        common.block_spec((cfg.hp, cfg.vb), w_block, w_buffers),
-        column,
-        column,
-        column,
-        column,
-    ]
-    operands = [x, w, labels, lse, g_lse, g_label]
-    if cfg.with_sum:
-        assert g_sum is not None, "cfg.with_sum needs g_sum"
-        in_specs.append(column)
-        operands.append(g_sum)
-    if cfg.with_expected:
-        assert expected is not None and g_expected is not None, "cfg.with_expected needs expected and g_expected"
-        in_specs += [column, column]
-        operands += [expected, g_expected]
-    out_specs = [
-        common.block_spec((cfg.hp, cfg.vb), w_block, w_buffers),
-        pl.BlockSpec(memory_space=pl.ANY),
-    ]
+    in_specs, operands = _inputs(x, w, labels, lse, g_lse, g_label, g_sum, expected, g_expected, cfg)
     axes = varying_axes_of(*operands)
     operands = [vary(value, axes) for value in operands]
+    out_specs = [_w_block_spec(cfg), pl.BlockSpec(memory_space=pl.ANY)]  # dw, and the dx partials in HBM
     out_shape = [
         common.out_type((cfg.hidden, cfg.v), w.dtype, axes),
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
     scratch = [
-        pltpu.VMEM((cfg.hp, cfg.vb), jnp.float32),  # dw accumulator
-        pltpu.VMEM((2, cfg.b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
+        pltpu.VMEM((cfg.hp, cfg.block_v), jnp.float32),  # dw accumulator
+        pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
         pltpu.SemaphoreType.DMA((2,)),
     ]
     dw, dx_partials = pl.pallas_call(
         functools.partial(_backward_kernel, cfg=cfg),
-        grid=(cfg.num_cores, nvc, cfg.nb),
+        grid=(cfg.num_cores, cfg.nv_per_core, cfg.nb),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -244,3 +274,43 @@ def backward_call(
         name="ce_pallas_tpu_backward",
     )(*operands)
     return dx_partials, dw
+
+
+def _w_block_spec(cfg: BackwardConfig) -> pl.BlockSpec:
+    """The spec of the ``w`` and ``dw`` blocks: the core's vocab blocks (the last one repeated on a core
+    a block short). They change once per vocab block (every nb steps); see BackwardConfig.w_buffers.
+    (Interpret mode ignores buffer counts.)"""
+    nvc, nv = cfg.nv_per_core, cfg.nv
+
+    def w_block(c, j, i):
+        return (0, jnp.minimum(c * nvc + j, nv - 1))
+
+    return common.block_spec((cfg.hp, cfg.block_v), w_block, pl.Buffered(cfg.w_buffers))
+
+
+def _inputs(x, w, labels, lse, g_lse, g_label, g_sum, expected, g_expected,
+            cfg: BackwardConfig) -> tuple[list[pl.BlockSpec], list[jax.Array]]:
+    """The kernel's input specs and operands: x, w, then the per-row columns (the optional ones last)."""
+
+    def rows(c, j, i):
+        return (i, 0)
+
+    column = pl.BlockSpec((cfg.block_b, 1), rows)
+    in_specs = [
+        pl.BlockSpec((cfg.block_b, cfg.hp), rows),
+        _w_block_spec(cfg),
+        column,
+        column,
+        column,
+        column,
+    ]
+    operands = [x, w, labels, lse, g_lse, g_label]
+    if cfg.with_sum:
+        assert g_sum is not None, "cfg.with_sum needs g_sum"
+        in_specs.append(column)
+        operands.append(g_sum)
+    if cfg.with_expected:
+        assert expected is not None and g_expected is not None, "cfg.with_expected needs expected and g_expected"
+        in_specs += [column, column]
+        operands += [expected, g_expected]
+    return in_specs, operands

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ce_core import BlockSizes
 from ce_pallas_tpu.layout import LANES
 
 
@@ -19,9 +20,9 @@ class KernelConfig:
     hidden: int  # hidden size H of the arrays
     hp: int  # H rounded up to a multiple of 128: the blocks' extent
     v: int  # vocab size
-    b: int  # token block
-    h: int  # hidden block (forward: == hp, not blocked) or hidden chunk of the dx/dw updates (backward)
-    vb: int  # vocab block
+    block_b: int  # token block
+    block_h: int  # hidden block (forward: == hp, not blocked) or hidden chunk of the dx/dw updates (backward)
+    block_v: int  # vocab block
     num_cores: int
     logit_soft_cap: float | None
     with_sum: bool
@@ -31,21 +32,26 @@ class KernelConfig:
     with_expected: bool = False  # also the expected logit sum_j p_j z_j (for the entropy)
 
     @property
+    def block_sizes(self) -> BlockSizes:
+        """The tiles as the public ``ce_core.BlockSizes`` (for reports)."""
+        return BlockSizes(self.block_b, self.block_h, self.block_v)
+
+    @property
     def n_stats(self) -> int:
         """Statistics per row: lse and label logit, then the logit sum and the expected logit if asked."""
         return 2 + self.with_sum + self.with_expected
 
     @property
     def nb(self) -> int:
-        return pl.cdiv(self.n, self.b)
+        return pl.cdiv(self.n, self.block_b)
 
     @property
     def nv(self) -> int:
-        return pl.cdiv(self.v, self.vb)
+        return pl.cdiv(self.v, self.block_v)
 
     @property
     def nh(self) -> int:
-        return self.hp // self.h
+        return self.hp // self.block_h
 
     @property
     def nv_per_core(self) -> int:
@@ -53,7 +59,7 @@ class KernelConfig:
 
     @property
     def padded_n(self) -> int:
-        return self.nb * self.b
+        return self.nb * self.block_b
 
 
 def soft_cap(raw: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array | None]:

@@ -60,63 +60,66 @@ class Shape:
         return 2 if self.x_bytes == 2 and self.w_bytes == 2 else 4
 
 
-def forward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_x: bool = True, mxu_side: int = 128) -> int:
-    """VMEM the forward kernel needs with token block ``b``, hidden block ``h``, vocab block ``vb``, on a
-    generation with ``mxu_side``-wide MXUs (where the streamed step works in column chunks)."""
-    blocked = h < shape.hp
+def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, single_x: bool = True,
+                  mxu_side: int = 128) -> int:
+    """VMEM the forward kernel needs with token block ``block_b``, hidden block ``block_h``, vocab block
+    ``block_v``, on a generation with ``mxu_side``-wide MXUs (where the streamed step works in column chunks)."""
+    blocked = block_h < shape.hp
     # The elementwise temporaries span one column chunk of the streamed step, or the whole block.
-    columns = vb if blocked else forward_column_chunk(mxu_side, vb) or vb
+    columns = block_v if blocked else forward_column_chunk(mxu_side, block_v) or block_v
     # A single-buffered resident x still costs about half a buffer more (the matmul's operand copy).
     x_buffers = 2 if (blocked or not single_x) else 1.5
     stats = shape.n_stats
-    total = FIXED_BYTES + int(x_buffers * _tile(b, h, shape.x_bytes))
-    total += 2 * _tile(h, vb, shape.w_bytes)
-    total += 2 * _tile(b, 1, 4)  # labels
-    total += 2 * stats * _tile(b, 1, 4)  # outputs
+    total = FIXED_BYTES + int(x_buffers * _tile(block_b, block_h, shape.x_bytes))
+    total += 2 * _tile(block_h, block_v, shape.w_bytes)
+    total += 2 * _tile(block_b, 1, 4)  # labels
+    total += 2 * stats * _tile(block_b, 1, 4)  # outputs
     if blocked:
         # Running max, sum, label (, logit sum, weighted sum) per row; logits summed over hidden blocks.
-        total += (stats + 1) * _tile(b, 1, 4) + _tile(b, vb, 4)
+        total += (stats + 1) * _tile(block_b, 1, 4) + _tile(block_b, block_v, 4)
     else:
-        total += 2 * (stats + 1) * _tile(b, LANES, 4)  # two slots of the same per row and lane
-    total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(b, columns, 4)
+        total += 2 * (stats + 1) * _tile(block_b, LANES, 4)  # two slots of the same per row and lane
+    total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(block_b, columns, 4)
     return total
 
 
-def backward_bytes(shape: Shape, b: int, h: int, vb: int, *, single_w: bool = True) -> int:
-    """VMEM the backward kernel needs with token block ``b``, hidden chunk ``h``, vocab block ``vb``."""
+def backward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, single_w: bool = True) -> int:
+    """VMEM the backward kernel needs with token block ``block_b``, hidden chunk ``block_h``, vocab block
+    ``block_v``."""
     w_buffers = 1 if single_w else 2
     # x-independent columns: labels, lse and the cotangents (+ the expected logit and its cotangent).
     columns = 3 + shape.n_stats + shape.with_expected
-    total = 2 * _tile(b, shape.hp, shape.x_bytes)
-    total += w_buffers * _tile(shape.hp, vb, shape.w_bytes)  # w block
-    total += w_buffers * _tile(shape.hp, vb, shape.w_bytes)  # dw block
-    total += 2 * columns * _tile(b, 1, 4)
-    total += _tile(shape.hp, vb, 4)  # dw accumulator
-    total += 2 * _tile(b, shape.hp, 4)  # dx partial in / out
+    total = 2 * _tile(block_b, shape.hp, shape.x_bytes)
+    total += w_buffers * _tile(shape.hp, block_v, shape.w_bytes)  # w block
+    total += w_buffers * _tile(shape.hp, block_v, shape.w_bytes)  # dw block
+    total += 2 * columns * _tile(block_b, 1, 4)
+    total += _tile(shape.hp, block_v, 4)  # dw accumulator
+    total += 2 * _tile(block_b, shape.hp, 4)  # dx partial in / out
     temporaries = BACKWARD_TEMPORARIES + (2 if shape.capped else 0) + (1 if shape.with_expected else 0)
-    total += temporaries * _tile(b, vb, 4)
-    total += _tile(b, vb, shape.mm_bytes)  # delta in the matmul dtype
-    total += _tile(h, vb, 4) + _tile(b, h, 4)  # one chunk's products
+    total += temporaries * _tile(block_b, block_v, 4)
+    total += _tile(block_b, block_v, shape.mm_bytes)  # delta in the matmul dtype
+    total += _tile(block_h, block_v, 4) + _tile(block_b, block_h, 4)  # one chunk's products
     return total
 
 
-def forward_seconds(shape: Shape, facts: ChipFacts, num_cores: int, b: int, h: int, vb: int) -> float:
+def forward_seconds(shape: Shape, facts: ChipFacts, num_cores: int, block_b: int, block_h: int,
+                    block_v: int) -> float:
     """Roofline time of the forward: max(compute, HBM traffic) per core plus per-step overhead."""
-    nb, nv, nh = math.ceil(shape.n / b), math.ceil(shape.v / vb), shape.hp // h
+    nb, nv, nh = math.ceil(shape.n / block_b), math.ceil(shape.v / block_v), shape.hp // block_h
     nv_core = math.ceil(nv / num_cores)
-    flops = 2 * nb * b * shape.hp * nv_core * vb
-    w_traffic = nb * shape.hp * nv_core * vb * shape.w_bytes
-    x_traffic = nb * b * shape.hp * shape.x_bytes * (nv_core if nh > 1 else 1)
+    flops = 2 * nb * block_b * shape.hp * nv_core * block_v
+    w_traffic = nb * shape.hp * nv_core * block_v * shape.w_bytes
+    x_traffic = nb * block_b * shape.hp * shape.x_bytes * (nv_core if nh > 1 else 1)
     busy = max(flops * _passes(shape) / facts.bf16_flops, (w_traffic + x_traffic) / facts.hbm_bytes_per_s)
     return busy + nb * nv_core * nh * STEP_OVERHEAD_S
 
 
-def backward_seconds(shape: Shape, facts: ChipFacts, num_cores: int, b: int, vb: int) -> float:
+def backward_seconds(shape: Shape, facts: ChipFacts, num_cores: int, block_b: int, block_v: int) -> float:
     """Roofline time of the backward per core: 3 matmuls per tile, x and the dx partial per tile."""
-    nb, nv = math.ceil(shape.n / b), math.ceil(shape.v / vb)
+    nb, nv = math.ceil(shape.n / block_b), math.ceil(shape.v / block_v)
     nv_core = math.ceil(nv / num_cores)
-    flops = 6 * nb * b * shape.hp * nv_core * vb
-    per_vocab_block = nb * b * shape.hp * (shape.x_bytes + 8) + 2 * shape.hp * vb * shape.w_bytes
+    flops = 6 * nb * block_b * shape.hp * nv_core * block_v
+    per_vocab_block = nb * block_b * shape.hp * (shape.x_bytes + 8) + 2 * shape.hp * block_v * shape.w_bytes
     traffic = nv_core * per_vocab_block
     busy = max(flops * _passes(shape) / facts.bf16_flops, traffic / facts.hbm_bytes_per_s)
     return busy + nb * nv_core * STEP_OVERHEAD_S

@@ -9,9 +9,10 @@ Grid ``(cores, token blocks, vocab blocks per core, hidden blocks)``:
 - token blocks are independent (``PARALLEL``); the vocab and hidden axes are reductions
   (``ARBITRARY``), hidden innermost.
 
-A logit tile ``[b, v]`` exists only in VMEM. With the hidden dimension blocked, it is accumulated
-over hidden blocks in a VMEM scratch and an online logsumexp keeps a running max and sum per row
-(:func:`ce_pallas_tpu.tile_stats.row_update`). With the hidden dimension whole (the default) the
+A logit tile ``[block_b, block_v]`` exists only in VMEM. Two kernels, one per way of taking the
+hidden dimension. Blocked (:func:`_blocked_kernel`): the tile is accumulated over hidden blocks in a
+VMEM scratch and an online logsumexp keeps a running max and sum per row
+(:func:`ce_pallas_tpu.tile_stats.row_update`). Whole (the default, :func:`_streamed_kernel`): the
 step is *streamed*: the statistics are kept per row and lane (``[b, 128]``, each lane seeing every
 128th column) against a reference per lane fixed before the step, the lane's maximum over the
 earlier blocks, so the exps of a column chunk need nothing but that chunk's logits. libtpu's
@@ -37,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from types import EllipsisType
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +52,7 @@ from ce_pallas_tpu.layout import LANES, forward_column_chunk
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig(common.KernelConfig):
-    """Static shape and tiling of one forward call; ``h`` is the hidden block (``hp``: unblocked).
+    """Static shape and tiling of one forward call; ``block_h`` is the hidden block (``hp``: unblocked).
 
     ``mxu_side``: the width of the generation's MXUs, which sets the step's column chunks.
     """
@@ -61,12 +63,12 @@ class ForwardConfig(common.KernelConfig):
     def column_chunk(self) -> int | None:
         """With the hidden dimension whole, a step forms its logit tile and takes its statistics in
         pieces of this many vocab columns (``None``: in one piece)."""
-        return forward_column_chunk(self.mxu_side, self.vb)
+        return forward_column_chunk(self.mxu_side, self.block_v)
 
     @property
     def column_chunks(self) -> list[int]:
         """The first vocab column of each piece of a step's logit tile."""
-        return list(range(0, self.vb, self.column_chunk or self.vb))
+        return list(range(0, self.block_v, self.column_chunk or self.block_v))
 
 
 def _split_refs(refs, cfg: ForwardConfig):
@@ -81,6 +83,46 @@ def _split_refs(refs, cfg: ForwardConfig):
     return outs, stats, scratch[cfg.n_stats + 1 :]
 
 
+class _Step(NamedTuple):
+    """Where a grid step is: token block ``i``, vocab block ``j`` of its core, hidden block ``k``."""
+
+    i: jax.Array
+    j: jax.Array
+    k: jax.Array
+    block: jax.Array  # the global vocab block
+    last_step: jax.Array  # the core's last step for this token block
+    guarded: bool  # the last core may have a block fewer than the others
+    in_range: jax.Array | bool  # the step has a vocab block (always, unless guarded)
+
+
+def _grid_step(cfg: ForwardConfig) -> _Step:
+    core, i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    block = core * cfg.nv_per_core + j
+    last_step = (j == cfg.nv_per_core - 1) & (k == cfg.nh - 1)
+    guarded = cfg.nv_per_core * cfg.num_cores != cfg.nv
+    in_range = block < cfg.nv if guarded else True
+    return _Step(i, j, k, block, last_step, guarded, in_range)
+
+
+def _read_state(stat_refs, at: EllipsisType | jax.Array = ...) -> tile_stats.State:
+    r, sum_exp, label, total, weighted = (None if ref is None else ref[at] for ref in stat_refs)
+    assert r is not None and sum_exp is not None and label is not None
+    return r, sum_exp, label, total, weighted
+
+
+def _write_state(stat_refs, state: tile_stats.State, at: EllipsisType | jax.Array = ...) -> None:
+    for ref, value in zip(stat_refs, state, strict=True):
+        if ref is not None and value is not None:
+            ref[at] = value
+
+
+def _initial_state(stat_refs) -> tile_stats.State:
+    shape = stat_refs[0].shape[-2:]
+    zeros = jnp.zeros(shape, jnp.float32)
+    return (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, None if stat_refs[3] is None else zeros,
+            None if stat_refs[4] is None else zeros)
+
+
 def _write_outputs(outs, rows: tile_stats.State) -> None:
     """The per-row statistics as the kernel's outputs: lse, label logit, logit sum, expected logit."""
     lse_ref, label_ref, sum_ref, expected_ref = outs
@@ -93,113 +135,114 @@ def _write_outputs(outs, rows: tile_stats.State) -> None:
         expected_ref[...] = weighted / sum_exp
 
 
-def _forward_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
-    outs, stat_refs, scratch = _split_refs(refs, cfg)
-    core, i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    block = core * cfg.nv_per_core + j  # global vocab block
-    last_step = (j == cfg.nv_per_core - 1) & (k == cfg.nh - 1)
-    guarded = cfg.nv_per_core * cfg.num_cores != cfg.nv  # the last core may have a block fewer
-    in_range = block < cfg.nv if guarded else True
+# ---------------------------------------------------------------------------------------------
+# The streamed kernel: the hidden dimension whole (the default).
 
-    def read_state(at: EllipsisType | jax.Array = ...) -> tile_stats.State:
-        r, sum_exp, label, total, weighted = (None if ref is None else ref[at] for ref in stat_refs)
-        assert r is not None and sum_exp is not None and label is not None
-        return r, sum_exp, label, total, weighted
 
-    def write_state(state: tile_stats.State, at: EllipsisType | jax.Array = ...) -> None:
-        for ref, value in zip(stat_refs, state, strict=True):
-            if ref is not None and value is not None:
-                ref[at] = value
+def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
+    """Per-lane statistics (see the module docs), in two slots, so that a step reads the previous
+    step's and writes its own before its overflow check is known, and a redo still finds the state
+    from before the step."""
+    outs, stat_refs, (redo_ref,) = _split_refs(refs, cfg)
+    step = _grid_step(cfg)
+    if cfg.hidden != cfg.hp:
+        common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
+    block_start = step.block * cfg.block_v
+    gap = (jnp.broadcast_to(y_ref[...] - block_start, (cfg.block_b, LANES))
+           - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
+    previous, current = (step.j + 1) % 2, step.j % 2
 
-    def initial_state() -> tile_stats.State:
-        shape = stat_refs[0].shape[-2:]
-        zeros = jnp.zeros(shape, jnp.float32)
-        return (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, None if stat_refs[3] is None else zeros,
-                None if stat_refs[4] is None else zeros)
+    # Taken exactly: the first block of a row (no reference yet) and a ragged last block.
+    exact = step.j == 0
+    if cfg.v % cfg.block_v:
+        exact = exact | (step.block == cfg.nv - 1)
+    redo_ref[0] = exact.astype(jnp.int32)
 
-    if cfg.nh == 1:
-        # Streamed (see the module docs): per-lane statistics, in two slots, so that a step reads
-        # the previous step's and writes its own before its overflow check is known, and a redo
-        # still finds the state from before the step.
-        (redo_ref,) = scratch
-        if cfg.hidden != cfg.hp:
-            common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
-        block_start = block * cfg.vb
-        gap = (jnp.broadcast_to(y_ref[...] - block_start, (cfg.b, LANES))
-               - jax.lax.broadcasted_iota(jnp.int32, (cfg.b, LANES), 1))
-        previous, current = (j + 1) % 2, j % 2
+    if cfg.block_v % LANES == 0:  # else the block is the row's only one (block_v == V), always taken exactly
+        pl.when(step.in_range & jnp.logical_not(exact))(
+            lambda: _streamed_step(x_ref, w_ref, gap, stat_refs, redo_ref, step.i, previous, current, cfg))
+    pl.when(step.in_range & (redo_ref[0] != 0))(
+        lambda: _exact_step(x_ref, w_ref, y_ref, gap, block_start, stat_refs, step.j, previous, current, cfg))
+    pl.when(step.last_step)(lambda: _finish_streamed(outs, stat_refs, step, previous, current))
 
-        def product(first: int) -> jax.Array:
-            columns = w_ref[:, pl.ds(first, cfg.column_chunk or cfg.vb)]
-            return common.matmul(x_ref[...], columns, cfg.precision)
 
-        # Taken exactly: the first block of a row (no reference yet) and a ragged last block.
-        exact = j == 0
-        if cfg.v % cfg.vb:
-            exact = exact | (block == cfg.nv - 1)
-        redo_ref[0] = exact.astype(jnp.int32)
+def _product(x_ref, w_ref, first: int, cfg: ForwardConfig) -> jax.Array:
+    """The logits of the step's column chunk that starts at column ``first`` of the block."""
+    columns = w_ref[:, pl.ds(first, cfg.column_chunk or cfg.block_v)]
+    return common.matmul(x_ref[...], columns, cfg.precision)
 
-        def streamed():
-            state = read_state(previous)
-            for first in cfg.column_chunks:
-                state = tile_stats.streamed_lane_update(product(first), gap, state, cfg, first)
-            write_state(state, current)
-            # Compared before reducing, so that NaN rows cannot hide an overflowing one; the garbage
-            # rows of a ragged token block are left out, so they never force a redo.
-            over = state[1] > tile_stats.OVERFLOW_SUM
-            if cfg.n % cfg.b:
-                over = over & (jax.lax.broadcasted_iota(jnp.int32, over.shape, 0) < cfg.n - i * cfg.b)
-            redo_ref[0] = jnp.max(over.astype(jnp.int32))
 
-        if cfg.vb % LANES == 0:  # else the block is the row's only one (vb == V), always taken exactly
-            pl.when(in_range & jnp.logical_not(exact))(streamed)
+def _streamed_step(x_ref, w_ref, gap, stat_refs, redo_ref, i, previous, current, cfg: ForwardConfig) -> None:
+    """The block's exps against each lane's reference as it stands; asks for a redo on overflow."""
+    state = _read_state(stat_refs, previous)
+    for first in cfg.column_chunks:
+        state = tile_stats.streamed_lane_update(_product(x_ref, w_ref, first, cfg), gap, state, cfg, first)
+    _write_state(stat_refs, state, current)
+    # Compared before reducing, so that NaN rows cannot hide an overflowing one; the garbage
+    # rows of a ragged token block are left out, so they never force a redo.
+    over = state[1] > tile_stats.OVERFLOW_SUM
+    if cfg.n % cfg.block_b:
+        over = over & (jax.lax.broadcasted_iota(jnp.int32, over.shape, 0) < cfg.n - i * cfg.block_b)
+    redo_ref[0] = jnp.max(over.astype(jnp.int32))
 
-        @pl.when(in_range & (redo_ref[0] != 0))
-        def _exact():
-            fresh = initial_state()
-            state = fresh if cfg.nv_per_core == 1 else tile_stats.select(j == 0, fresh, read_state(previous))
-            for first in cfg.column_chunks:
-                state = tile_stats.exact_lane_update(product(first), block_start + first, y_ref[...], gap, state,
-                                                     cfg, first)
-            write_state(state, current)
 
-        @pl.when(last_step)
-        def _finish():
-            # A core one block short took nothing at its last step: its state is a step older.
-            slot = jnp.where(in_range, current, previous) if guarded else current
-            _write_outputs(outs, tile_stats.lanes_to_rows(read_state(slot)))
+def _exact_step(x_ref, w_ref, y_ref, gap, block_start, stat_refs, j, previous, current,
+                cfg: ForwardConfig) -> None:
+    """The block taken exactly: each lane's reference moved up to its maximum first."""
+    fresh = _initial_state(stat_refs)
+    state = fresh if cfg.nv_per_core == 1 else tile_stats.select(j == 0, fresh, _read_state(stat_refs, previous))
+    for first in cfg.column_chunks:
+        state = tile_stats.exact_lane_update(_product(x_ref, w_ref, first, cfg), block_start + first, y_ref[...],
+                                             gap, state, cfg, first)
+    _write_state(stat_refs, state, current)
 
-        return
 
-    (acc_ref,) = scratch
+def _finish_streamed(outs, stat_refs, step: _Step, previous, current) -> None:
+    """The lanes reduced to rows, as the outputs."""
+    # A core one block short took nothing at its last step: its state is a step older.
+    slot = jnp.where(step.in_range, current, previous) if step.guarded else current
+    _write_outputs(outs, tile_stats.lanes_to_rows(_read_state(stat_refs, slot)))
 
-    @pl.when((j == 0) & (k == 0))
-    def _init():
-        write_state(initial_state())
+
+# ---------------------------------------------------------------------------------------------
+# The blocked kernel: the hidden dimension in blocks.
+
+
+def _blocked_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
+    """The logit tile summed over hidden blocks in a VMEM scratch, then per-row online statistics."""
+    outs, stat_refs, (acc_ref,) = _split_refs(refs, cfg)
+    step = _grid_step(cfg)
+    pl.when((step.j == 0) & (step.k == 0))(lambda: _write_state(stat_refs, _initial_state(stat_refs)))
 
     def accumulate():
-        if cfg.hidden != cfg.hp:
-            pl.when(k == cfg.nh - 1)(lambda: common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp))
-        part = common.matmul(x_ref[...], w_ref[...], cfg.precision)
+        _accumulate_hidden_block(x_ref, w_ref, y_ref, acc_ref, stat_refs, step, cfg)
 
-        @pl.when(k == 0)
-        def _():
-            acc_ref[...] = part
-
-        @pl.when(k > 0)
-        def _():
-            acc_ref[...] += part
-
-        @pl.when(k == cfg.nh - 1)
-        def _():
-            write_state(tile_stats.row_update(acc_ref[...], block * cfg.vb, y_ref[...], read_state(), cfg))
-
-    if guarded:
-        pl.when(in_range)(accumulate)
+    if step.guarded:
+        pl.when(step.in_range)(accumulate)
     else:
         accumulate()
+    pl.when(step.last_step)(lambda: _write_outputs(outs, _read_state(stat_refs)))
 
-    pl.when(last_step)(lambda: _write_outputs(outs, read_state()))
+
+def _accumulate_hidden_block(x_ref, w_ref, y_ref, acc_ref, stat_refs, step: _Step, cfg: ForwardConfig) -> None:
+    """This hidden block's part of the logit tile; after the last one, the tile's row statistics."""
+    k = step.k
+    if cfg.hidden != cfg.hp:
+        pl.when(k == cfg.nh - 1)(lambda: common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp))
+    part = common.matmul(x_ref[...], w_ref[...], cfg.precision)
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = part
+
+    @pl.when(k > 0)
+    def _():
+        acc_ref[...] += part
+
+    @pl.when(k == cfg.nh - 1)
+    def _():
+        rows = tile_stats.row_update(acc_ref[...], step.block * cfg.block_v, y_ref[...], _read_state(stat_refs), cfg)
+        _write_state(stat_refs, rows)
 
 
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig) -> tuple[jax.Array, ...]:
@@ -216,25 +259,25 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     # enough (it changes once per token block), which halves its VMEM. (Interpret mode ignores it.)
     x_mode = pl.Buffered(1) if cfg.nh == 1 else None
     in_specs = [
-        common.block_spec((cfg.b, cfg.h), lambda c, i, j, k: (i, k), x_mode),
-        pl.BlockSpec((cfg.h, cfg.vb), w_block),
-        pl.BlockSpec((cfg.b, 1), lambda c, i, j, k: (i, 0)),
+        common.block_spec((cfg.block_b, cfg.block_h), lambda c, i, j, k: (i, k), x_mode),
+        pl.BlockSpec((cfg.block_h, cfg.block_v), w_block),
+        pl.BlockSpec((cfg.block_b, 1), lambda c, i, j, k: (i, 0)),
     ]
     num_out = cfg.n_stats
-    stat_spec = pl.BlockSpec((pl.squeezed, cfg.b, 1), lambda c, i, j, k: (c, i, 0))
+    stat_spec = pl.BlockSpec((pl.squeezed, cfg.block_b, 1), lambda c, i, j, k: (c, i, 0))
     axes = varying_axes_of(x, w, labels)
     x, w, labels = (vary(value, axes) for value in (x, w, labels))
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), jnp.float32, axes)] * num_out
     # Running max (streamed: reference), sum of exp, label logit (, logit sum)(, weighted sum), per
     # row, or per row and lane when streamed.
     if cfg.nh > 1:
-        scratch = [pltpu.VMEM((cfg.b, 1), jnp.float32)] * (cfg.n_stats + 1)
-        scratch.append(pltpu.VMEM((cfg.b, cfg.vb), jnp.float32))  # logits summed over hidden blocks
+        scratch = [pltpu.VMEM((cfg.block_b, 1), jnp.float32)] * (cfg.n_stats + 1)
+        scratch.append(pltpu.VMEM((cfg.block_b, cfg.block_v), jnp.float32))  # logits summed over hidden blocks
     else:
-        scratch = [pltpu.VMEM((2, cfg.b, LANES), jnp.float32)] * (cfg.n_stats + 1)
+        scratch = [pltpu.VMEM((2, cfg.block_b, LANES), jnp.float32)] * (cfg.n_stats + 1)
         scratch.append(pltpu.SMEM((1,), jnp.int32))  # whether this step is taken exactly
     return pl.pallas_call(
-        functools.partial(_forward_kernel, cfg=cfg),
+        functools.partial(_blocked_kernel if cfg.nh > 1 else _streamed_kernel, cfg=cfg),
         grid=(cfg.num_cores, cfg.nb, nvc, cfg.nh),
         in_specs=in_specs,
         out_specs=[stat_spec] * num_out,

@@ -15,7 +15,7 @@ from typing import TypedDict
 import jax
 import jax.numpy as jnp
 
-from ce_core import BlockSizes, PassTiles, RowStats, StatsSpec, TileReport
+from ce_core import PassTiles, RowStats, StatsSpec, TileReport
 from ce_pallas_tpu import tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
@@ -23,19 +23,23 @@ from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
-from ce_pallas_tpu.tile_types import Tiles
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything static about one row-statistics call (hashable: a custom_vjp static argument)."""
+    """Everything static about one row-statistics call (hashable: a custom_vjp static argument).
+
+    ``n``, ``h``, ``v``: the problem's sizes; each kernel's tiles are in its config (``block_b``,
+    ``block_h``, ``block_v``); ``source``: where the tiles came from (``table:<gen>/<bucket>``,
+    ``inferred``, ``explicit``).
+    """
 
     n: int
     h: int
     v: int
     forward: ForwardConfig
     backward: BackwardConfig
-    tiles: Tiles
+    source: str
 
     @property
     def hp(self) -> int:
@@ -46,10 +50,10 @@ class Plan:
         f, b = self.forward, self.backward
         return TileReport(
             passes=(
-                PassTiles("forward", BlockSizes(f.b, f.h, f.vb), (f.num_cores, f.nb, f.nv_per_core, f.nh)),
-                PassTiles("backward", BlockSizes(b.b, b.h, b.vb), (b.num_cores, b.nv_per_core, b.nb)),
+                PassTiles("forward", f.block_sizes, (f.num_cores, f.nb, f.nv_per_core, f.nh)),
+                PassTiles("backward", b.block_sizes, (b.num_cores, b.nv_per_core, b.nb)),
             ),
-            source=self.tiles.source,
+            source=self.source,
             details={"backward_w_buffers": str(b.w_buffers), "precision": f.precision},
         )
 
@@ -91,8 +95,18 @@ def problem_shape(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec) -> 
 def make_plan(
     n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec, target: Target | None = None
 ) -> Plan:
-    """Tiles and kernel configurations for a problem on ``target`` (default: the current one)."""
+    """Tiles and kernel configurations for a problem on ``target`` (default: the current one, read now).
+
+    Made once per problem and target: a call asks for it several times (the backend's check, the
+    forward, the backward), and every argument is hashable, so the plans are cached.
+    """
     target = current_target() if target is None else target
+    return _cached_plan(n, h, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec, target)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype, spec: StatsSpec,
+                 target: Target) -> Plan:
     shape = problem_shape(n, h, v, x_dtype, w_dtype, spec)
     tiles = tiling.resolve_tiles(shape, target, spec.block_sizes)
     interpret = interpret_params(target)
@@ -112,22 +126,22 @@ def make_plan(
     nv_forward = cdiv(v, tiles.forward.block_v)
     nv_backward = cdiv(v, tiles.backward.block_v)
     forward = ForwardConfig(
-        b=tiles.forward.block_b,
-        h=tiles.forward.block_h,
-        vb=tiles.forward.block_v,
+        block_b=tiles.forward.block_b,
+        block_h=tiles.forward.block_h,
+        block_v=tiles.forward.block_v,
         num_cores=active_cores(target.num_cores, nv_forward),
         mxu_side=target.facts.mxu_side,
         **common,
     )
     backward = BackwardConfig(
-        b=tiles.backward.block_b,
-        h=tiles.backward.block_h,
-        vb=tiles.backward.block_v,
+        block_b=tiles.backward.block_b,
+        block_h=tiles.backward.block_h,
+        block_v=tiles.backward.block_v,
         num_cores=active_cores(target.num_cores, nv_backward),
         w_buffers=tiling.backward_w_buffers(shape, tiles.backward, target),
         **common,
     )
-    return Plan(n, h, v, forward, backward, tiles)
+    return Plan(n, h, v, forward, backward, tiles.source)
 
 
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:

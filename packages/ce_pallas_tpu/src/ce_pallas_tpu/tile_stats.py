@@ -42,7 +42,7 @@ def row_update(z_raw: jax.Array, start, y: jax.Array, state: State, cfg: KernelC
     m, sum_exp, label, total, weighted = state
     z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
     local = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-    if cfg.v % cfg.vb:
+    if cfg.v % cfg.block_v:
         valid = local < cfg.v - start
         z_lse = jnp.where(valid, z, -jnp.inf)
         z_owned = jnp.where(valid, z, 0.0)
@@ -99,14 +99,14 @@ def exact_lane_update(z_raw: jax.Array, start, y: jax.Array, gap: jax.Array, sta
     """
     lane = jax.lax.broadcasted_iota(jnp.int32, (z_raw.shape[0], LANES), 1)
     if z_raw.shape[1] % LANES:
-        # A block not a multiple of 128 wide is the row's only one (vb == V), so the state is the
+        # A block not a multiple of 128 wide is the row's only one (block_v == V), so the state is the
         # initial one: take the row's statistics whole and put them in lane 0.
         return select(lane == 0, row_update(z_raw, start, y, _lane_zero(state), cfg), state)
     r, sum_exp, label, total, weighted = state
     z, _ = common.soft_cap(z_raw, cfg.logit_soft_cap)
     groups = []
     for g, zg in _lane_groups(z):
-        valid = lane < cfg.v - start - g if cfg.v % cfg.vb else None
+        valid = lane < cfg.v - start - g if cfg.v % cfg.block_v else None
         groups.append((g, zg, valid, zg if valid is None else jnp.where(valid, zg, -jnp.inf)))
     r_new = r
     for _, _, _, z_lse in groups:

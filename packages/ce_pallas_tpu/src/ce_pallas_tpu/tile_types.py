@@ -10,34 +10,27 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelTiles:
-    """Token block ``block_b``, hidden block/chunk ``block_h`` (``None``: whole hidden dim), vocab block
-    ``block_v``.
+class KernelTiles[H: (int | None)]:
+    """The tiles of one kernel: token block ``block_b``, hidden block ``block_h``, vocab block ``block_v``.
+
+    ``block_h`` is the forward's hidden block (``None``: the whole hidden dimension, ``x`` resident
+    in VMEM) or the backward's hidden chunk of its ``dx``/``dw`` products (``None``: 512). As the
+    table and requests state them the tiles are a ``KernelTiles[int | None]``; fitted to one problem
+    (:func:`ce_pallas_tpu.tiling.fit_tiles`: no block beyond its dimension, ``block_h`` set and
+    dividing ``Hp``) a ``KernelTiles[int]``.
 
     ``w_buffers``: the backward's VMEM buffers for its ``w`` and ``dw`` blocks (``None``: two where
     the VMEM model says they fit, else one); the forward ignores it.
     """
 
     block_b: int
-    block_h: int | None
+    block_h: H
     block_v: int
     w_buffers: int | None = None
 
     @property
-    def sizes(self) -> tuple[int, int | None, int]:
+    def sizes(self) -> tuple[int, H, int]:
         """``(block_b, block_h, block_v)``."""
-        return self.block_b, self.block_h, self.block_v
-
-
-@dataclasses.dataclass(frozen=True)
-class FittedTiles(KernelTiles):
-    """Kernel tiles fitted to one problem: the hidden block/chunk ``block_h`` is always set (it divides ``Hp``)."""
-
-    block_h: int
-
-    @property
-    def sizes(self) -> tuple[int, int, int]:
-        """``(block_b, block_h, block_v)``, all set."""
         return self.block_b, self.block_h, self.block_v
 
 
@@ -45,8 +38,8 @@ class FittedTiles(KernelTiles):
 class Tiles:
     """Tiles of both kernels and where they came from (``table:<gen>/<bucket>``, ``inferred``...)."""
 
-    forward: FittedTiles
-    backward: FittedTiles
+    forward: KernelTiles[int]
+    backward: KernelTiles[int]
     source: str
 
 
@@ -61,8 +54,8 @@ class TunedEntry:
     microseconds. ``None`` where nothing was measured; ``note`` then says why.
     """
 
-    forward: KernelTiles
-    backward: KernelTiles
+    forward: KernelTiles[int | None]
+    backward: KernelTiles[int | None]
     forward_ratio: float | None = None
     backward_ratio: float | None = None
     forward_hbm_us: float | None = None

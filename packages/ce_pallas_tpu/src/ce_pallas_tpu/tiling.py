@@ -1,9 +1,10 @@
 """Tile sizes: the inference rule, the shape buckets, validation, and how the tuned table is used.
 
-Both kernels read three sizes. The forward: ``b`` tokens x ``v`` vocab columns per logit tile, and
-``h`` hidden rows per step (``None``: the whole hidden dimension, ``x`` then stays resident in VMEM
-across the vocab loop). The backward: ``b`` and ``v`` the same way (its tiles always span the whole
-hidden dimension, because ``delta`` needs complete logits) and ``h`` the chunk in which the
+Both kernels read three sizes (:class:`ce_pallas_tpu.tile_types.KernelTiles`). The forward:
+``block_b`` tokens x ``block_v`` vocab columns per logit tile, and ``block_h`` hidden rows per step
+(``None``: the whole hidden dimension, ``x`` then stays resident in VMEM across the vocab loop). The
+backward: ``block_b`` and ``block_v`` the same way (its tiles always span the whole hidden
+dimension, because ``delta`` needs complete logits) and ``block_h`` the chunk in which the
 ``dx``/``dw`` products are formed (bounding their temporaries).
 
 Order of precedence:
@@ -25,19 +26,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 
 from ce_core import BlockSizes, UnsupportedError
 from ce_pallas_tpu import cost_model
 from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.layout import LANES, SUBLANES, round_up
 from ce_pallas_tpu.target import CHIP_FACTS, Target
-from ce_pallas_tpu.tile_types import FittedTiles, KernelTiles, Tiles, TunedEntry
+from ce_pallas_tpu.tile_types import KernelTiles, Tiles, TunedEntry
 
 #: Share of a core's VMEM the chosen tiles may use; the rest is Mosaic's internal scratch and slack.
 VMEM_BUDGET_FRACTION = 0.8
 #: Scoped-VMEM limit handed to Mosaic, as a share of the core's VMEM.
 VMEM_LIMIT_FRACTION = 0.9
-
+#: The backward's hidden chunk (of its dx/dw products) where none is given.
+_BACKWARD_CHUNK = 512
 
 
 #: Shape buckets, first match wins (N tokens, H hidden, V vocab).
@@ -85,9 +88,9 @@ def vmem_limit(target: Target) -> int:
 # Resolving tiles for one problem.
 
 
-def _divisor_at_most(hp: int, h: int) -> int:
-    """The largest multiple of 128 that divides ``hp`` and is at most ``h`` (at least 128)."""
-    for candidate in range(min(h, hp) // LANES * LANES, 0, -LANES):
+def _divisor_at_most(hp: int, block_h: int) -> int:
+    """The largest multiple of 128 that divides ``hp`` and is at most ``block_h`` (at least 128)."""
+    for candidate in range(min(block_h, hp) // LANES * LANES, 0, -LANES):
         if hp % candidate == 0:
             return candidate
     return LANES
@@ -107,18 +110,19 @@ def bucket_example(bucket: str) -> Shape:
     return Shape(n, round_up(h, LANES), v, 2, 2, with_sum=False, capped=False)
 
 
-def fit_tiles(shape: Shape, tiles: KernelTiles, *, backward: bool) -> FittedTiles:
-    """Clamp tiles to the problem: a block never exceeds its dimension; ``h`` divides ``Hp``."""
-    b = shape.n if shape.n <= tiles.block_b else tiles.block_b
-    v = shape.v if shape.v <= tiles.block_v else tiles.block_v
+def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool) -> KernelTiles[int]:
+    """Clamp tiles to the problem: a block never exceeds its dimension; ``block_h`` divides ``Hp``."""
+    block_b = shape.n if shape.n <= tiles.block_b else tiles.block_b
+    block_v = shape.v if shape.v <= tiles.block_v else tiles.block_v
     if backward:
-        h = _divisor_at_most(shape.hp, tiles.block_h or 512)
+        block_h = _divisor_at_most(shape.hp, tiles.block_h or _BACKWARD_CHUNK)
     else:
-        h = shape.hp if tiles.block_h is None else _divisor_at_most(shape.hp, tiles.block_h)
-    return FittedTiles(b, h, v, tiles.w_buffers if backward else None)
+        block_h = shape.hp if tiles.block_h is None else _divisor_at_most(shape.hp, tiles.block_h)
+    return KernelTiles(block_b, block_h, block_v, tiles.w_buffers if backward else None)
 
 
-def _entry_fits(shape: Shape, bucket: str, forward: FittedTiles, backward: FittedTiles, target: Target) -> bool:
+def _entry_fits(shape: Shape, bucket: str, forward: KernelTiles[int], backward: KernelTiles[int],
+                target: Target) -> bool:
     """Whether a table entry fits this problem: by the VMEM model, within the target's budget or no more
     than at its bucket's example shape (where libtpu compiled it; the model over-estimates, so a
     compiled entry may exceed the budget by the model)."""
@@ -138,45 +142,57 @@ def _entry_fits(shape: Shape, bucket: str, forward: FittedTiles, backward: Fitte
     )
 
 
+#: The sizes the inference rule tries, largest first.
+_TOKENS = (2048, 1024, 512, 256, 128, 64, 32, 16, 8)
+_COLUMNS = (2048, 1024, 512, 256, 128)
+
+
+def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tuple[int, KernelTiles[int]]]:
+    """``(footprint, tiles)`` of the forward tiles the inference rule considers that fit ``budget``."""
+    hiddens = [None] + [size for size in (4096, 2048, 1024, 512, 256, 128) if size < shape.hp and shape.hp % size == 0]
+    for block_b, block_v, block_h in itertools.product(_TOKENS, _COLUMNS, hiddens):
+        tiles = fit_tiles(shape, KernelTiles(block_b, block_h, block_v), backward=False)
+        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
+                                        mxu_side=target.facts.mxu_side)
+        if need <= budget:
+            yield need, tiles
+
+
+def _backward_options(shape: Shape, budget: int) -> Iterator[tuple[int, KernelTiles[int]]]:
+    """``(footprint, tiles)`` of the backward tiles the inference rule considers that fit ``budget``."""
+    for block_b, block_v in itertools.product(_TOKENS, _COLUMNS):
+        tiles = fit_tiles(shape, KernelTiles(block_b, _BACKWARD_CHUNK, block_v), backward=True)
+        need = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
+        if need <= budget:
+            yield need, tiles
+
+
+def _too_large(shape: Shape, target: Target, budget: int) -> UnsupportedError:
+    smallest = fit_tiles(shape, KernelTiles(8, 128, 128), backward=True)
+    need = cost_model.backward_bytes(shape, smallest.block_b, smallest.block_h, smallest.block_v)
+    return UnsupportedError(
+        f"pallas_tpu: hidden size H={shape.hp} needs at least {need / 2**20:.1f} MiB of VMEM even "
+        f"with the smallest tiles, more than the {budget / 2**20:.1f} MiB budget on {target.generation}"
+    )
+
+
 def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
     """Tiles within 3% of the least roofline time that fit ``budget``; the smallest footprint wins.
 
     Raises:
       UnsupportedError: not even the smallest tiles fit (a hidden size too large for this VMEM).
     """
-    facts = target.facts
-    tokens = (2048, 1024, 512, 256, 128, 64, 32, 16, 8)
-    columns = (2048, 1024, 512, 256, 128)
-    hiddens = [None] + [h for h in (4096, 2048, 1024, 512, 256, 128) if h < shape.hp and shape.hp % h == 0]
-
-    forward_options = []
-    for b, v, h in itertools.product(tokens, columns, hiddens):
-        tiles = fit_tiles(shape, KernelTiles(b, h, v), backward=False)
-        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
-                                        mxu_side=facts.mxu_side)
-        if need <= budget:
-            seconds = cost_model.forward_seconds(shape, facts, target.num_cores, *tiles.sizes)
-            forward_options.append((seconds, need, tiles))
-
-    backward_options = []
-    for b, v in itertools.product(tokens, columns):
-        tiles = fit_tiles(shape, KernelTiles(b, 512, v), backward=True)
-        need = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
-        if need <= budget:
-            seconds = cost_model.backward_seconds(shape, facts, target.num_cores, tiles.block_b, tiles.block_v)
-            backward_options.append((seconds, need, tiles))
-
+    facts, cores = target.facts, target.num_cores
+    forward_options = [(cost_model.forward_seconds(shape, facts, cores, *tiles.sizes), need, tiles)
+                       for need, tiles in _forward_options(shape, target, budget)]
+    backward_options = [(cost_model.backward_seconds(shape, facts, cores, tiles.block_b, tiles.block_v), need, tiles)
+                        for need, tiles in _backward_options(shape, budget)]
     if not forward_options or not backward_options:
-        smallest = fit_tiles(shape, KernelTiles(8, 128, 128), backward=True)
-        need = cost_model.backward_bytes(shape, smallest.block_b, smallest.block_h, smallest.block_v)
-        raise UnsupportedError(
-            f"pallas_tpu: hidden size H={shape.hp} needs at least {need / 2**20:.1f} MiB of VMEM even "
-            f"with the smallest tiles, more than the {budget / 2**20:.1f} MiB budget on {target.generation}"
-        )
+        raise _too_large(shape, target, budget)
     return Tiles(_pick(forward_options), _pick(backward_options), "inferred")
 
 
-def _pick(options: list[tuple[float, int, FittedTiles]]) -> FittedTiles:
+def _pick(options: list[tuple[float, int, KernelTiles[int]]]) -> KernelTiles[int]:
     """Among options within 3% of the fastest, the one with the smallest VMEM footprint."""
     fastest = min(seconds for seconds, _, _ in options)
     near = [(need, -tiles.block_b, -tiles.block_v, tiles)
@@ -184,22 +200,38 @@ def _pick(options: list[tuple[float, int, FittedTiles]]) -> FittedTiles:
     return min(near, key=lambda item: item[:3])[3]
 
 
-def tuned_tiles(shape: Shape, target: Target) -> Tiles:
-    """The table entry for this problem when it fits, else the inferred tiles."""
-    budget = vmem_budget(target)
+def _table_tiles(shape: Shape, target: Target) -> Tiles | None:
+    """The table entry for this problem fitted to it, when it fits (None: no entry, or it does not fit)."""
     bucket = shape_bucket(shape.n, shape.hp, shape.v)
     entry = tuned_table().get((target.generation, bucket))
-    if entry is not None:
-        forward = fit_tiles(shape, entry.forward, backward=False)
-        backward = fit_tiles(shape, entry.backward, backward=True)
-        for w_buffers in dict.fromkeys((backward.w_buffers, 1)):  # the entry's buffers, else one
-            backward = dataclasses.replace(backward, w_buffers=w_buffers)
-            if _entry_fits(shape, bucket, forward, backward, target):
-                return Tiles(forward, backward, f"table:{target.generation}/{bucket}")
-    return _infer(shape, target, budget)
+    if entry is None:
+        return None
+    forward = fit_tiles(shape, entry.forward, backward=False)
+    backward = fit_tiles(shape, entry.backward, backward=True)
+    for w_buffers in dict.fromkeys((backward.w_buffers, 1)):  # the entry's buffers, else one
+        backward = dataclasses.replace(backward, w_buffers=w_buffers)
+        if _entry_fits(shape, bucket, forward, backward, target):
+            return Tiles(forward, backward, f"table:{target.generation}/{bucket}")
+    return None
 
 
-def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
+def tuned_tiles(shape: Shape, target: Target) -> Tiles:
+    """The table entry for this problem when it fits, else the inferred tiles."""
+    tiles = _table_tiles(shape, target)
+    return _infer(shape, target, vmem_budget(target)) if tiles is None else tiles
+
+
+def check_some_tiles_fit(shape: Shape, target: Target) -> None:
+    """``UnsupportedError`` exactly where :func:`tuned_tiles` raises it, without choosing any tiles:
+    not even the smallest tiles fit the VMEM budget, and neither does the table's entry."""
+    budget = vmem_budget(target)
+    inferable = (next(_forward_options(shape, target, budget), None) is not None
+                 and next(_backward_options(shape, budget), None) is not None)
+    if not inferable and _table_tiles(shape, target) is None:
+        raise _too_large(shape, target, budget)
+
+
+def backward_w_buffers(shape: Shape, tiles: KernelTiles[int], target: Target) -> int:
     """The tiles' own ``w_buffers`` when set (a tuned entry), else two VMEM buffers for the backward's
     ``w`` and ``dw`` blocks where the VMEM model says they fit the budget, else one."""
     if tiles.w_buffers is not None:
@@ -210,20 +242,20 @@ def backward_w_buffers(shape: Shape, tiles: FittedTiles, target: Target) -> int:
 
 def validate_explicit(block_sizes: BlockSizes, hp: int) -> None:
     """``ValueError`` (saying why) for explicit sizes the kernels can never use."""
-    b, h, v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
-    if b is not None and b % SUBLANES:
+    block_b, block_h, block_v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
+    if block_b is not None and block_b % SUBLANES:
         raise ValueError(
-            f"pallas_tpu: BlockSizes.b_block_size={b} must be a multiple of {SUBLANES} "
+            f"pallas_tpu: BlockSizes.b_block_size={block_b} must be a multiple of {SUBLANES} "
             "(TPU sublanes: a token block is the second-minor dimension of its tiles)"
         )
-    if v is not None and v % LANES:
+    if block_v is not None and block_v % LANES:
         raise ValueError(
-            f"pallas_tpu: BlockSizes.v_block_size={v} must be a multiple of {LANES} "
+            f"pallas_tpu: BlockSizes.v_block_size={block_v} must be a multiple of {LANES} "
             "(TPU lanes: a vocab block is the minor dimension of the logit and w tiles)"
         )
-    if h is not None and (h % LANES or hp % h):
+    if block_h is not None and (block_h % LANES or hp % block_h):
         raise ValueError(
-            f"pallas_tpu: BlockSizes.h_block_size={h} must be a multiple of {LANES} that divides the "
+            f"pallas_tpu: BlockSizes.h_block_size={block_h} must be a multiple of {LANES} that divides the "
             f"hidden size padded to {LANES} (Hp={hp}): hidden blocks are contracted, so none may be ragged"
         )
 
@@ -233,18 +265,23 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None) 
     if block_sizes is None:
         return tuned_tiles(shape, target)
     validate_explicit(block_sizes, shape.hp)
-    base = tuned_tiles(shape, target)
-    b, h, v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
-    forward = fit_tiles(
-        shape,
-        KernelTiles(b or base.forward.block_b, h if h is not None else base.forward.block_h, v or base.forward.block_v),
-        backward=False,
-    )
-    backward = fit_tiles(
-        shape,
-        KernelTiles(b or base.backward.block_b, h or base.backward.block_h, v or base.backward.block_v),
-        backward=True,
-    )
+    block_b, block_h, block_v = block_sizes.b_block_size, block_sizes.h_block_size, block_sizes.v_block_size
+    if block_b is not None and block_h is not None and block_v is not None:
+        check_some_tiles_fit(shape, target)  # the problem itself may be too large for this VMEM
+        forward = backward = KernelTiles(block_b, block_h, block_v)
+    else:  # the tuned tiles fill the sizes not given (and only then are they worked out)
+        base = tuned_tiles(shape, target)
+        f, bw = base.forward, base.backward
+        forward = KernelTiles(block_b or f.block_b, f.block_h if block_h is None else block_h, block_v or f.block_v)
+        backward = KernelTiles(block_b or bw.block_b, block_h or bw.block_h, block_v or bw.block_v)
+    tiles = Tiles(fit_tiles(shape, forward, backward=False), fit_tiles(shape, backward, backward=True), "explicit")
+    _check_explicit_vmem(shape, target, block_sizes, tiles)
+    return tiles
+
+
+def _check_explicit_vmem(shape: Shape, target: Target, block_sizes: BlockSizes, tiles: Tiles) -> None:
+    """``ValueError`` when explicit tiles need more VMEM than Mosaic is allowed (by the VMEM model)."""
+    forward, backward = tiles.forward, tiles.backward
     capacity = target.vmem_bytes
     need_forward = cost_model.forward_bytes(shape, forward.block_b, forward.block_h, forward.block_v,
                                             mxu_side=target.facts.mxu_side)
@@ -256,7 +293,6 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None) 
             f"V={shape.v}; {target.generation} has {capacity / 2**20:.0f} MiB (usable "
             f"{vmem_limit(target) / 2**20:.0f} MiB): use smaller blocks"
         )
-    return Tiles(forward, backward, "explicit")
 
 
 def table_rows() -> list[tuple[str, str, TunedEntry]]:

@@ -85,47 +85,48 @@ def _rank(hbm_share: float, cycles: float, need: int, *, few_rows: bool = False,
     return (few_rows, hbm_share > HBM_COMFORT or cycles < MIN_STEP_CYCLES, -min(cycles, long_step), need)
 
 
-def _ranked(options: list[tuple[tuple[bool, bool, float, int], KernelTiles]]) -> list[KernelTiles]:
+def _ranked(options: list[tuple[tuple[bool, bool, float, int], KernelTiles[int | None]]],
+            ) -> list[KernelTiles[int | None]]:
     return list(dict.fromkeys(tiles for _, tiles in sorted(options, key=lambda item: item[0])))
 
 
-def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
-    """Forward tiles worth compiling, best guess first (``x`` resident: ``h=None``)."""
+def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles[int | None]]:
+    """Forward tiles worth compiling, best guess first (``x`` resident: ``block_h=None``)."""
     chip = SCHEDULE_CHIPS[generation]
     limit = _prefilter_bytes(generation)
     options = []
-    for b, vb in itertools.product(FORWARD_TOKENS, FORWARD_COLUMNS):
-        b, vb = min(b, shape.n), min(vb, shape.v)
-        cycles = mxu_cycles(generation, "forward", b, shape.hp, vb)
+    for block_b, block_v in itertools.product(FORWARD_TOKENS, FORWARD_COLUMNS):
+        block_b, block_v = min(block_b, shape.n), min(block_v, shape.v)
+        cycles = mxu_cycles(generation, "forward", block_b, shape.hp, block_v)
         mxu_s = cycles / chip.clock_hz
-        hbm_s = shape.hp * vb * shape.w_bytes / chip.hbm_bytes_per_s  # the w block; x stays resident
-        need = forward_bytes(shape, b, shape.hp, vb, mxu_side=CHIP_FACTS[generation].mxu_side)
+        hbm_s = shape.hp * block_v * shape.w_bytes / chip.hbm_bytes_per_s  # the w block; x stays resident
+        need = forward_bytes(shape, block_b, shape.hp, block_v, mxu_side=CHIP_FACTS[generation].mxu_side)
         if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
             rank = _rank(hbm_s / mxu_s, cycles, need, long_step=FORWARD_LONG_STEP)
-            options.append((rank, KernelTiles(b, None, vb)))
+            options.append((rank, KernelTiles(block_b, None, block_v)))
     return _ranked(options)
 
 
-def backward_candidates(shape: Shape, generation: str) -> list[KernelTiles]:
+def backward_candidates(shape: Shape, generation: str) -> list[KernelTiles[int | None]]:
     """Backward tiles worth compiling, best guess first."""
     chip = SCHEDULE_CHIPS[generation]
     limit = _prefilter_bytes(generation)
     options = []
-    for b, vb in itertools.product(BACKWARD_TOKENS, BACKWARD_COLUMNS):
-        b, vb = min(b, shape.n), min(vb, shape.v)
-        cycles = mxu_cycles(generation, "backward", b, shape.hp, vb)
+    for block_b, block_v in itertools.product(BACKWARD_TOKENS, BACKWARD_COLUMNS):
+        block_b, block_v = min(block_b, shape.n), min(block_v, shape.v)
+        cycles = mxu_cycles(generation, "backward", block_b, shape.hp, block_v)
         mxu_s = cycles / chip.clock_hz
-        hbm_s = b * shape.hp * (shape.x_bytes + 8) / chip.hbm_bytes_per_s  # x, and the dx partial in and out
-        need = backward_bytes(shape, b, BACKWARD_CHUNK, vb)
+        hbm_s = block_b * shape.hp * (shape.x_bytes + 8) / chip.hbm_bytes_per_s  # x, and the dx partial in and out
+        need = backward_bytes(shape, block_b, BACKWARD_CHUNK, block_v)
         if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
             # Fewer than 256 token rows per step underfeed the logits and dx products (the MXU
-            # reloads its weights every b rows): last resort, for hidden sizes where nothing else fits.
-            rank = _rank(hbm_s / mxu_s, cycles, need, few_rows=b < 256)
-            options.append((rank, KernelTiles(b, BACKWARD_CHUNK, vb)))
+            # reloads its weights every block_b rows): last resort, for hidden sizes where nothing else fits.
+            rank = _rank(hbm_s / mxu_s, cycles, need, few_rows=block_b < 256)
+            options.append((rank, KernelTiles(block_b, BACKWARD_CHUNK, block_v)))
     return _ranked(options)
 
 
-def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles) -> str | None:
+def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles[int | None]) -> str | None:
     """Why libtpu does not compile the kernel alone at full size with these tiles (None: it does)."""
     import jax
 
@@ -146,7 +147,8 @@ def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles
     return None
 
 
-def _compiling(generation: str, kernel: str, shape: Shape, tiles: KernelTiles) -> tuple[KernelTiles | None, str]:
+def _compiling(generation: str, kernel: str, shape: Shape,
+               tiles: KernelTiles[int | None]) -> tuple[KernelTiles[int | None] | None, str]:
     """The candidate as it compiles (a backward one with two buffers if possible), or None and why not."""
     if kernel == "forward":
         error = compile_error(generation, kernel, shape, tiles)
@@ -171,30 +173,30 @@ class KernelChoice:
     """The tiles kept for one kernel, and every candidate's schedule."""
 
     kernel: str
-    tiles: KernelTiles
+    tiles: KernelTiles[int | None]
     schedule: schedule.KernelSchedule
-    measured: list[tuple[KernelTiles, schedule.KernelSchedule]]
-    refused: list[tuple[KernelTiles, str]]
-    incumbent: KernelTiles | None
+    measured: list[tuple[KernelTiles[int | None], schedule.KernelSchedule]]
+    refused: list[tuple[KernelTiles[int | None], str]]
+    incumbent: KernelTiles[int | None] | None
 
 
 class TuneError(RuntimeError):
     """No candidate of a kernel compiled, or none could be measured."""
 
 
-def same_tiles(a: KernelTiles, b: KernelTiles) -> bool:
+def same_tiles(a: KernelTiles[int | None], b: KernelTiles[int | None]) -> bool:
     return (a.block_b, a.block_h, a.block_v) == (b.block_b, b.block_h, b.block_v)
 
 
-def fitted(shape: Shape, tiles: KernelTiles, kernel: str) -> KernelTiles:
-    """``tiles`` clamped to the problem as the kernels will use them (the forward's whole-hidden ``h``
-    stays ``None``; the backward's chunk divides the padded hidden size)."""
+def fitted(shape: Shape, tiles: KernelTiles[int | None], kernel: str) -> KernelTiles[int | None]:
+    """``tiles`` clamped to the problem as the kernels will use them (the forward's whole-hidden
+    ``block_h`` stays ``None``; the backward's chunk divides the padded hidden size)."""
     fit = fit_tiles(shape, tiles, backward=kernel == "backward")
-    h = None if kernel == "forward" and fit.block_h == shape.hp else fit.block_h
-    return KernelTiles(fit.block_b, h, fit.block_v, tiles.w_buffers)
+    block_h = None if kernel == "forward" and fit.block_h == shape.hp else fit.block_h
+    return KernelTiles(fit.block_b, block_h, fit.block_v, tiles.w_buffers)
 
 
-def incumbent_tiles(generation: str, bucket: str, kernel: str, shape: Shape) -> KernelTiles | None:
+def incumbent_tiles(generation: str, bucket: str, kernel: str, shape: Shape) -> KernelTiles[int | None] | None:
     """Today's entry of this kernel, fitted to the shape (None: the table has none)."""
     entry = tuned_table().get((generation, bucket))
     if entry is None:
@@ -219,8 +221,8 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
     incumbent = incumbent_tiles(generation, bucket, kernel, problem)
     if incumbent is not None:
         ranked = [incumbent, *(t for t in ranked if not same_tiles(t, incumbent))]
-    chosen: list[KernelTiles] = []
-    refused: list[tuple[KernelTiles, str]] = []
+    chosen: list[KernelTiles[int | None]] = []
+    refused: list[tuple[KernelTiles[int | None], str]] = []
     for tiles in ranked:
         if len(chosen) == max_candidates:
             break
@@ -248,7 +250,7 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
     return KernelChoice(kernel, tiles, record, measured, refused, incumbent)
 
 
-def _label(tiles: KernelTiles) -> str:
+def _label(tiles: KernelTiles[int | None]) -> str:
     text = f"{tiles.block_b}/{tiles.block_h}/{tiles.block_v}"
     return text if tiles.w_buffers is None else f"{text} x{tiles.w_buffers}"
 
@@ -265,7 +267,7 @@ def shorten(text: str, limit: int = NOTE_LIMIT) -> str:
 class _KernelFields(NamedTuple):
     """One kernel's part of a :class:`TunedEntry`: its tiles and their figures (``None``: not measured)."""
 
-    tiles: KernelTiles
+    tiles: KernelTiles[int | None]
     ratio: float | None = None
     hbm_us: float | None = None
     mxu_us: float | None = None
@@ -319,7 +321,7 @@ def _order(key: tuple[str, str]) -> tuple[int, int, str, str]:
             buckets.index(bucket) if bucket in buckets else len(buckets), generation, bucket)
 
 
-def _render_tiles(tiles: KernelTiles) -> str:
+def _render_tiles(tiles: KernelTiles[int | None]) -> str:
     text = f"KernelTiles({tiles.block_b}, {tiles.block_h}, {tiles.block_v}"
     return text + (")" if tiles.w_buffers is None else f", w_buffers={tiles.w_buffers})")
 

@@ -47,20 +47,22 @@ SCHEDULE_CHIPS: dict[str, ScheduleChip] = {
 PROFILED_GENERATIONS = tuple(SCHEDULE_CHIPS)
 
 
-def kernel_matmuls(kernel: str, b: int, h: int, vb: int) -> list[tuple[int, int, int]]:
-    """The ``(M, K, N)`` matmuls of one grid step of a kernel with tiles ``b x h x vb``.
+def kernel_matmuls(kernel: str, block_b: int, step_h: int, block_v: int) -> list[tuple[int, int, int]]:
+    """The ``(M, K, N)`` matmuls of one grid step of a kernel with tiles ``block_b x step_h x block_v``.
 
-    Forward: the logit tile ``x @ w``. Backward: the logits again, ``dw = x.T @ delta`` and
-    ``dx = delta @ w.T`` (``h`` is the whole padded hidden size there).
+    ``step_h`` is the hidden extent of a step's tiles: the forward's hidden block, the whole padded
+    hidden size ``hp`` in the backward. Forward: the logit tile ``x @ w``. Backward: the logits
+    again, ``dw = x.T @ delta`` and ``dx = delta @ w.T``.
     """
     if kernel == "forward":
-        return [(b, h, vb)]
+        return [(block_b, step_h, block_v)]
     if kernel == "backward":
-        return [(b, h, vb), (h, b, vb), (b, vb, h)]
+        return [(block_b, step_h, block_v), (step_h, block_b, block_v), (block_b, block_v, step_h)]
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def mxu_cycles(generation: str, kernel: str, b: int, h: int, vb: int) -> float:
-    """Fewest MXU cycles of one grid step (bf16 operands, one pass per product)."""
+def mxu_cycles(generation: str, kernel: str, block_b: int, step_h: int, block_v: int) -> float:
+    """Fewest MXU cycles of one grid step (bf16 operands, one pass per product); arguments as in
+    :func:`kernel_matmuls`."""
     chip = SCHEDULE_CHIPS[generation]
-    return sum(chip.matmul_cycles(m, k, n) for m, k, n in kernel_matmuls(kernel, b, h, vb))
+    return sum(chip.matmul_cycles(m, k, n) for m, k, n in kernel_matmuls(kernel, block_b, step_h, block_v))

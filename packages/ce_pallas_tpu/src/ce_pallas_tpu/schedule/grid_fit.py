@@ -21,11 +21,11 @@ from ce_pallas_tpu.common import KernelConfig
 
 def small_grid(cfg: KernelConfig, kb: int, kv: int) -> KernelConfig:
     """``cfg`` with ``kb`` token blocks and ``kv`` vocab blocks per core, ragged like ``cfg``."""
-    last_rows = cfg.n - (cfg.nb - 1) * cfg.b
-    last_cols = cfg.v - (cfg.nv - 1) * cfg.vb
+    last_rows = cfg.n - (cfg.nb - 1) * cfg.block_b
+    last_cols = cfg.v - (cfg.nv - 1) * cfg.block_v
     missing = cfg.num_cores * cfg.nv_per_core - cfg.nv  # blocks the last core lacks
     blocks = cfg.num_cores * kv - missing
-    small = dataclasses.replace(cfg, n=(kb - 1) * cfg.b + last_rows, v=(blocks - 1) * cfg.vb + last_cols)
+    small = dataclasses.replace(cfg, n=(kb - 1) * cfg.block_b + last_rows, v=(blocks - 1) * cfg.block_v + last_cols)
     assert (small.nb, small.nv_per_core) == (kb, kv), (small, kb, kv)
     return small
 

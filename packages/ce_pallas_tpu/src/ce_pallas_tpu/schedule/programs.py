@@ -16,7 +16,8 @@ from ce_pallas_tpu.layout import cdiv
 
 def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
                   tiles: tuple[int, int | None, int] | None = None, w_buffers: int | None = None) -> KernelConfig:
-    """The kernel's config for a problem on the current target, with ``tiles`` ``(b, h, v)`` if given.
+    """The kernel's config for a problem on the current target, with ``tiles`` ``(block_b, block_h,
+    block_v)`` if given (``block_h`` ``None``: the whole hidden dimension).
 
     Unlike explicit ``BlockSizes``, the tiles are not checked against the VMEM model (the
     compile is the judge here), and they apply to this kernel only.
@@ -29,10 +30,10 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     plan = ops.make_plan(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec)
     cfg = plan.forward if kernel == "forward" else plan.backward
     if tiles is not None:
-        b, h, vb = tiles
-        b, vb = min(b, n), min(vb, v)
-        cfg = dataclasses.replace(cfg, b=b, h=cfg.hp if h is None else h, vb=vb,
-                                  num_cores=active_cores(current_target().num_cores, cdiv(v, vb)))
+        block_b, block_h, block_v = tiles
+        block_b, block_v = min(block_b, n), min(block_v, v)
+        cfg = dataclasses.replace(cfg, block_b=block_b, block_h=cfg.hp if block_h is None else block_h,
+                                  block_v=block_v, num_cores=active_cores(current_target().num_cores, cdiv(v, block_v)))
     if w_buffers is not None and kernel == "backward":
         cfg = dataclasses.replace(cfg, w_buffers=w_buffers)
     return cfg

@@ -10,7 +10,8 @@ KERNELS = ("forward", "backward")
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One kernel of one problem to measure; ``tiles`` ``(b, h, v)`` override that kernel's defaults."""
+    """One kernel of one problem to measure; ``tiles`` ``(block_b, block_h, block_v)`` override that
+    kernel's defaults."""
 
     kernel: str
     n: int
@@ -53,7 +54,7 @@ class KernelSchedule:
     v: int
     x_dtype: str
     w_dtype: str
-    tiles: tuple[int, int, int] | None = None  # b, h, v as the kernel uses them
+    tiles: tuple[int, int, int] | None = None  # block_b, block_h, block_v as the kernel uses them
     w_buffers: int | None = None  # the backward's w/dw buffers
     grid: tuple[int, ...] | None = None  # the kernel's full grid
     cores: int | None = None

@@ -70,10 +70,10 @@ def block_bytes_per_step(job: Job, cfg: Any) -> float:
 
     x_bytes, w_bytes = jnp.dtype(job.x_dtype).itemsize, jnp.dtype(job.w_dtype).itemsize
     if job.kernel == "forward":  # a w block every step; x once per token block unless hidden is blocked
-        x_block = cfg.b * cfg.h * x_bytes
-        return cfg.h * cfg.vb * w_bytes + (x_block if cfg.nh > 1 else x_block / cfg.nv_per_core)
+        x_block = cfg.block_b * cfg.block_h * x_bytes
+        return cfg.block_h * cfg.block_v * w_bytes + (x_block if cfg.nh > 1 else x_block / cfg.nv_per_core)
     # The backward: x and the float32 dx partial (in and out) every step, w and dw once per vocab block.
-    return cfg.b * cfg.hp * (x_bytes + 8) + 2 * cfg.hp * cfg.vb * w_bytes / cfg.nb
+    return cfg.block_b * cfg.hp * (x_bytes + 8) + 2 * cfg.hp * cfg.block_v * w_bytes / cfg.nb
 
 
 def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> KernelSchedule:
@@ -101,8 +101,9 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
         return fit.total(cfg.nb, cfg.nv_per_core) / steps
 
     cycles_fit = BilinearFit.of({p: t.cycles for p, t in traces.items()})
-    mxu = mxu_cycles(generation, job.kernel, cfg.b, cfg.h if job.kernel == "forward" else cfg.hp, cfg.vb)
-    record.tiles = (cfg.b, cfg.h, cfg.vb)
+    step_h = cfg.block_h if job.kernel == "forward" else cfg.hp
+    mxu = mxu_cycles(generation, job.kernel, cfg.block_b, step_h, cfg.block_v)
+    record.tiles = (cfg.block_b, cfg.block_h, cfg.block_v)
     record.w_buffers = getattr(cfg, "w_buffers", None)
     record.grid = ((cfg.num_cores, cfg.nb, cfg.nv_per_core, cfg.nh) if job.kernel == "forward"
                    else (cfg.num_cores, cfg.nv_per_core, cfg.nb))
@@ -123,7 +124,7 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
     record.step_us = cycles_per_step / chip.clock_hz * 1e6
     record.kernel_us = record.step_us * steps
     record.hbm_floor_us = record.hbm_us_per_step * steps
-    flops = 2 * len(kernel_matmuls(job.kernel, cfg.b, cfg.hp, cfg.vb)) * cfg.n * cfg.hp * cfg.v
+    flops = 2 * len(kernel_matmuls(job.kernel, cfg.block_b, cfg.hp, cfg.block_v)) * cfg.n * cfg.hp * cfg.v
     record.roofline_us = flops / (chip.bf16_flops * cfg.num_cores) * 1e6
     record.grids_compiled = list(points)
     record.compile_s = time.perf_counter() - start
