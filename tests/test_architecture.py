@@ -121,8 +121,7 @@ def test_running_a_backend_loads_no_offline_tooling():
         "import sys; from ce_core import get_backend\n"
         "for name in ('pallas_tpu', 'xla', 'reference'): get_backend(name)\n"
         "import ce_pallas_tpu.ops, ce_pallas_tpu.backend\n"
-        "tooling = ('ce_pallas_tpu.tune', 'ce_pallas_tpu.schedule', 'ce_pallas_tpu.aot', 'ce_bench',\n"
-        "           'ce_core.testing')\n"
+        "tooling = ('ce_pallas_tpu.tooling', 'ce_pallas_tpu.aot', 'ce_bench', 'ce_core.testing')\n"
         "loaded = sorted(m for m in sys.modules if m in tooling or m.startswith(tuple(t + '.' for t in tooling)))\n"
         "print(loaded); sys.exit(1 if loaded else 0)\n"
     )

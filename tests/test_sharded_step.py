@@ -384,7 +384,7 @@ AOT_N, AOT_H, AOT_V = 32768, 4096, 128256
 
 @pytest.fixture(scope="module")
 def v5p_2x2x1():
-    from ce_pallas_tpu.aot import topology_devices
+    from ce_pallas_tpu.tooling.aot import topology_devices
 
     return topology_devices("v5p:2x2x1")
 
@@ -423,7 +423,7 @@ def test_plain_call_compiles_for_a_v5p_topology_within_its_memory_bound(monkeypa
 
 @pytest.fixture(scope="module")
 def v6e_2x2():
-    from ce_pallas_tpu.aot import topology_devices
+    from ce_pallas_tpu.tooling.aot import topology_devices
 
     return topology_devices("v6e:2x2")
 

@@ -157,7 +157,7 @@ def test_pallas_tpu_in_interpret_mode_on_a_data_by_vocab_mesh(monkeypatch):
 
 @pytest.mark.slow
 def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
-    from ce_pallas_tpu.aot import topology_devices
+    from ce_pallas_tpu.tooling.aot import topology_devices
 
     monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)  # compile the real kernels, not the interpreter
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ce_bench import cli
-from ce_pallas_tpu.schedule import SCHEDULE_CHIPS, mxu_cycles
+from ce_pallas_tpu.tooling.schedule import SCHEDULE_CHIPS, mxu_cycles
 
 #: The slow tier: libtpu static schedules (uv run pytest -m slow).
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ce_bench import cli
-from ce_pallas_tpu import tune
-from ce_pallas_tpu.schedule import mxu_cycles
+from ce_pallas_tpu.tooling import tune
+from ce_pallas_tpu.tooling.schedule import mxu_cycles
 
 #: The slow tier: libtpu static schedules (uv run pytest -m slow).
 pytestmark = pytest.mark.slow

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 import ce_core
-from ce_pallas_tpu import aot, tiling
+from ce_pallas_tpu import tiling
+from ce_pallas_tpu.tooling import aot
 
 #: The slow tier: real TPU compiles for every generation (uv run pytest -m slow).
 pytestmark = pytest.mark.slow
@@ -99,7 +100,7 @@ def test_loading_a_topology_prints_no_libtpu_complaints_on_a_machine_without_tpu
     assert not host_has_tpu()  # this suite runs on machines without a TPU
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
     env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", "from ce_pallas_tpu.aot import topology_device; "
+    result = subprocess.run([sys.executable, "-c", "from ce_pallas_tpu.tooling.aot import topology_device; "
                              "print(topology_device('v5e').device_kind)"],
                             capture_output=True, text=True, env=env, timeout=300, check=True)
     assert "v5" in result.stdout.lower()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ce_pallas_tpu.common import KernelConfig
-from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
-from ce_pallas_tpu.schedule.grid_fit import BilinearFit, grid_points, small_grid
+from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
+from ce_pallas_tpu.tooling.schedule.grid_fit import BilinearFit, grid_points, small_grid
 
 
 def _config(n: int, v: int, block_b: int, block_v: int, cores: int) -> KernelConfig:
@@ -53,8 +53,8 @@ def test_mxu_minimum_per_generation():
 
 
 def test_a_step_moves_at_least_its_changing_operand_blocks():
-    from ce_pallas_tpu.schedule.records import Job
-    from ce_pallas_tpu.schedule.worker import block_bytes_per_step
+    from ce_pallas_tpu.tooling.schedule.records import Job
+    from ce_pallas_tpu.tooling.schedule.worker import block_bytes_per_step
 
     cfg = _config(8192, 128256, 1024, 2048, 1)  # 8 token blocks x 63 vocab blocks, H=4096, bf16
     forward = block_bytes_per_step(Job("forward", 8192, 4096, 128256), cfg)

@@ -10,10 +10,11 @@ import ce_core
 import ce_pallas_tpu
 from ce_core import BlockSizes, Problem, StatsSpec, UnsupportedError
 from ce_core.extend import random_problem
-from ce_pallas_tpu import cost_model, ops, tiling, tune
+from ce_pallas_tpu import cost_model, ops, tiling
 from ce_pallas_tpu.ops import problem_shape
 from ce_pallas_tpu.target import CHIP_FACTS, Target, active_cores, current_target
 from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry
+from ce_pallas_tpu.tooling import tune
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 

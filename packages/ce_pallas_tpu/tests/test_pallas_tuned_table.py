@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 import ce_pallas_tpu
-from ce_pallas_tpu import tiling, tune, tuned
-from ce_pallas_tpu.schedule import KernelSchedule
-from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
+from ce_pallas_tpu import tiling, tuned
 from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry
+from ce_pallas_tpu.tooling import tune
+from ce_pallas_tpu.tooling.schedule import KernelSchedule
+from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
 
 
 def test_the_module_is_exactly_what_the_tuner_renders():

@@ -7,7 +7,7 @@ checks included). ``compiled.memory_analysis()`` gives the HBM each program need
 
 Inside :func:`target_context`:
 
-- ``ce_pallas_tpu.aot.compiling_for(target)``: an abstract mesh over the topology's device, so
+- ``ce_pallas_tpu.tooling.aot.compiling_for(target)``: an abstract mesh over the topology's device, so
   Pallas' ``pltpu.get_tpu_info()`` sees the target generation rather than the host CPU, and
   ``CE_PALLAS_TPU_TARGET=<target>``, which makes ``ce_pallas_tpu`` available off-TPU and picks its
   tuned block sizes for that generation (the topologies and targeting live there, once);
@@ -33,7 +33,7 @@ from ce_bench.records import Record, classify, short_reason
 from ce_bench.runner import Progress, compile_programs, input_structs
 from ce_core.extend import CompileResult
 
-#: ``--target`` choices: the generations ``ce_pallas_tpu.aot`` has a one-chip topology for.
+#: ``--target`` choices: the generations ``ce_pallas_tpu.tooling.aot`` has a one-chip topology for.
 TOPOLOGIES: dict[str, str] = {
     "v4": "v4:1x1x1 (megacore)",
     "v5e": "v5e:1x1",
@@ -48,9 +48,9 @@ class AotUnavailableError(RuntimeError):
 
 
 def _pallas_aot() -> Any:
-    """``ce_pallas_tpu.aot``: the one place that makes TPU topology devices and targets them."""
+    """``ce_pallas_tpu.tooling.aot``: the one place that makes TPU topology devices and targets them."""
     try:
-        from ce_pallas_tpu import aot
+        from ce_pallas_tpu.tooling import aot
     except ImportError as error:
         raise AotUnavailableError(
             f"ahead-of-time compilation needs ce-pallas-tpu and libtpu: pip install 'ce-bench[tpu]' ({error})"

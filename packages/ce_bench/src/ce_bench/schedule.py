@@ -1,6 +1,6 @@
 """``ce-bench schedule``: the static schedule of the pallas_tpu kernels per grid step (no TPU needed).
 
-The measurement itself lives in :mod:`ce_pallas_tpu.schedule` (libtpu's estimated cycles at small
+The measurement itself lives in :mod:`ce_pallas_tpu.tooling.schedule` (libtpu's estimated cycles at small
 grids, fitted to the full grid); this module runs it for a list of shapes and prints the table.
 """
 
@@ -28,7 +28,7 @@ def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequ
                  quiet: bool = False) -> list[dict[str, Any]]:
     """One record (a JSON object) per shape and kernel, in that order."""
     try:
-        from ce_pallas_tpu import schedule
+        from ce_pallas_tpu.tooling import schedule
     except ImportError as error:
         raise ScheduleUnavailableError(f"the schedule needs ce-pallas-tpu[tpu] ({error})") from error
     import importlib.util

@@ -55,7 +55,7 @@ def mesh_devices(topology: str | None) -> list[Any]:
 
     if topology is None:
         return jax.devices("cpu")
-    from ce_pallas_tpu.aot import topology_devices
+    from ce_pallas_tpu.tooling.aot import topology_devices
 
     return topology_devices(topology)
 

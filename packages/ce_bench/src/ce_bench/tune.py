@@ -1,6 +1,6 @@
 """``ce-bench tune``: choose pallas_tpu's tiles from libtpu's static schedules (no TPU needed).
 
-The search lives in :mod:`ce_pallas_tpu.tune`; this module runs it for the buckets asked for,
+The search lives in :mod:`ce_pallas_tpu.tooling.tune`; this module runs it for the buckets asked for,
 prints every measured candidate and the winners, and with ``write`` re-renders the generated table
 :mod:`ce_pallas_tpu.tuned` bucket by bucket (an interrupted run keeps what it finished).
 """
@@ -72,8 +72,8 @@ def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNE
     if importlib.util.find_spec("libtpu") is None:
         raise TuneUnavailableError("tuning needs libtpu: pip install 'ce-pallas-tpu[tpu]' (Linux x86-64)")
     try:
-        from ce_pallas_tpu import tune
         from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, tuned_table
+        from ce_pallas_tpu.tooling import tune
     except ImportError as error:
         raise TuneUnavailableError(f"tuning needs ce-pallas-tpu[tpu] ({error})") from error
     if write and shape is not None:

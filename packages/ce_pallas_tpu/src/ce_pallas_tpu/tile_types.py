@@ -48,7 +48,7 @@ class TunedEntry:
     """One entry of the tuned table: both kernels' tiles and the static schedule they were kept for.
 
     The figures are libtpu's static schedule at the bucket's example shape in bfloat16
-    (:mod:`ce_pallas_tpu.schedule`): ``*_ratio`` is the estimated cycles per grid step over the
+    (:mod:`ce_pallas_tpu.tooling.schedule`): ``*_ratio`` is the estimated cycles per grid step over the
     fewest its matmuls need on the generation's MXUs (1.0: matmul-bound), ``*_hbm_us`` and
     ``*_mxu_us`` the step's HBM traffic at the core's bandwidth and its MXU minimum, in
     microseconds. ``None`` where nothing was measured; ``note`` then says why.

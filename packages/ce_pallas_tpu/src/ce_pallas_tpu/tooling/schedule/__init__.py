@@ -19,9 +19,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ce_pallas_tpu.schedule.chips import PROFILED_GENERATIONS, SCHEDULE_CHIPS, mxu_cycles
-from ce_pallas_tpu.schedule.dumps import libtpu_flags
-from ce_pallas_tpu.schedule.records import KERNELS, Job, KernelSchedule
+from ce_pallas_tpu.tooling.schedule.chips import PROFILED_GENERATIONS, SCHEDULE_CHIPS, mxu_cycles
+from ce_pallas_tpu.tooling.schedule.dumps import libtpu_flags
+from ce_pallas_tpu.tooling.schedule.records import KERNELS, Job, KernelSchedule
 
 __all__ = ["KERNELS", "PROFILED_GENERATIONS", "SCHEDULE_CHIPS", "Job", "KernelSchedule", "measure", "mxu_cycles"]
 
@@ -65,7 +65,7 @@ def _run_worker(generation: str, jobs: Sequence[Job], quiet: bool) -> tuple[list
         env["JAX_PLATFORMS"] = "cpu"
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # no TPU is driven; other JAX processes may hold the lock
         env.pop("CE_PALLAS_TPU_INTERPRET", None)
-        command = [sys.executable, "-m", "ce_pallas_tpu.schedule.worker", generation, str(root / "profile"),
+        command = [sys.executable, "-m", "ce_pallas_tpu.tooling.schedule.worker", generation, str(root / "profile"),
                    str(jobs_path), str(out_path)]
         tail: list[str] = []
         reason = None

@@ -1,6 +1,6 @@
 """The compile side of the schedule measurement; runs in a process started with libtpu's dump flags.
 
-    python -m ce_pallas_tpu.schedule.worker GENERATION PROFILE_DIR JOBS.json OUT.json
+    python -m ce_pallas_tpu.tooling.schedule.worker GENERATION PROFILE_DIR JOBS.json OUT.json
 
 For each job: the kernel's plan at full size on the generation (default tiles, or the job's), then
 the kernel alone compiled at a few small grids with those tiles (:mod:`.grid_fit`), each compile's
@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ce_pallas_tpu.schedule.chips import SCHEDULE_CHIPS, kernel_matmuls, mxu_cycles
-from ce_pallas_tpu.schedule.dumps import read_kernel_trace
-from ce_pallas_tpu.schedule.grid_fit import BilinearFit, grid_points, small_grid
-from ce_pallas_tpu.schedule.records import Job, KernelSchedule
+from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS, kernel_matmuls, mxu_cycles
+from ce_pallas_tpu.tooling.schedule.dumps import read_kernel_trace
+from ce_pallas_tpu.tooling.schedule.grid_fit import BilinearFit, grid_points, small_grid
+from ce_pallas_tpu.tooling.schedule.records import Job, KernelSchedule
 
 OP_NAMES = {"forward": "ce_pallas_tpu_forward", "backward": "ce_pallas_tpu_backward"}
 
@@ -28,7 +28,7 @@ OP_NAMES = {"forward": "ce_pallas_tpu_forward", "backward": "ce_pallas_tpu_backw
 def _config(job: Job) -> Any:
     """The full-size kernel config of ``job`` on the current (AOT) target."""
     from ce_core import StatsSpec
-    from ce_pallas_tpu.schedule.programs import kernel_config
+    from ce_pallas_tpu.tooling.schedule.programs import kernel_config
 
     spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum, with_expected=job.with_expected)
     if job.precision is not None:
@@ -39,7 +39,7 @@ def _config(job: Job) -> Any:
 def _compile(job: Job, cfg: Any, device: Any) -> None:
     import jax
 
-    from ce_pallas_tpu.schedule.programs import kernel_program
+    from ce_pallas_tpu.tooling.schedule.programs import kernel_program
 
     fn, args = kernel_program(job.kernel, cfg, job.x_dtype, job.w_dtype, jax.sharding.SingleDeviceSharding(device))
     jax.jit(fn).lower(*args).compile()
