@@ -475,7 +475,7 @@ def test_auto_axes_compile_for_a_v5p_topology_within_the_memory_bound(monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
-@pytest.mark.parametrize("w_layout,stated", [("vocab", True), ("fsdp", False)])
+@pytest.mark.parametrize("w_layout,stated", [("replicated", False), ("vocab", True), ("fsdp", False)])
 def test_auto_axes_compile_for_a_v6e_topology_within_the_memory_bound(monkeypatch, v6e_2x2, backend, w_layout,
                                                                       stated):
     monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)
