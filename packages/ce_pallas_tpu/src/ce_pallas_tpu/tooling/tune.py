@@ -29,12 +29,12 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from ce_pallas_tpu import schedule
 from ce_pallas_tpu.cost_model import Shape, backward_bytes, forward_bytes
 from ce_pallas_tpu.layout import LANES, round_up
 from ce_pallas_tpu.target import CHIP_FACTS, Target
 from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry
 from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, fit_tiles, tuned_table, vmem_limit
+from ce_pallas_tpu.tooling import schedule
 from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
 
 #: Candidates may exceed the usable VMEM by this factor in the model: the compile decides.
