@@ -127,21 +127,20 @@ class Options:
             raise ValueError(f"{function}() got unexpected keyword argument(s) {unknown}; it takes {sorted(names)}")
         values = dict(keywords)
         weights = values.pop("weights", None)
-        for name in ("implementation", "in_specs"):  # a list would make the options unhashable
-            value = values.get(name)
-            if isinstance(value, list):
-                values[name] = tuple(value)
+        # Sequences as tuples: the options are hashable, the static part of a jitted call.
+        if isinstance(values.get("in_specs"), list):
+            values["in_specs"] = tuple(values["in_specs"])
         implementation = values.get("implementation")
-        if implementation is not None and not isinstance(implementation, (str, tuple)):
+        if implementation is not None and not isinstance(implementation, str):
             try:
                 values["implementation"] = tuple(implementation)
             except TypeError:
                 raise ValueError(f"implementation must be None, a backend name or a sequence of names, "
                                  f"got {implementation!r}") from None
+        values["precision"] = validation.check_precision(values.get("precision"))
         options = cls(**values)
         options.check()
-        return dataclasses.replace(options, precision=validation.check_precision(options.precision)), (
-            None if weights is None else validation.as_array(weights, "weights"))
+        return options, None if weights is None else validation.as_array(weights, "weights")
 
     def check(self) -> None:
         """Each scalar option's range and type."""
