@@ -29,6 +29,7 @@ from ce_core.contract.backend import (
     CONTRACT_VERSION,
     PLACEMENTS,
     SUPPORTED_CONTRACT_VERSIONS,
+    W_LAYOUTS,
     Backend,
     CotangentFn,
     Problem,
@@ -53,11 +54,12 @@ if TYPE_CHECKING:
         max_rel_error,
         oracle,
         random_problem,
+        stats_oracle,
     )
 
 #: Names served from :mod:`ce_core.testing`, imported on first use so a backend's runtime never loads it.
 _TESTING = frozenset({"TOLERANCES", "Case", "compare_with_oracle", "log_probs_oracle", "max_rel_error", "oracle",
-                      "random_problem"})
+                      "random_problem", "stats_oracle"})
 
 
 def __getattr__(name: str) -> Any:
@@ -72,6 +74,7 @@ __all__ = [
     "PLACEMENTS",
     "SUPPORTED_CONTRACT_VERSIONS",
     "TOLERANCES",
+    "W_LAYOUTS",
     "Backend",
     "BlockSizes",
     "Case",
@@ -96,6 +99,7 @@ __all__ = [
     "quiet_libtpu_without_tpu",
     "random_problem",
     "register_backend",
+    "stats_oracle",
     "unregister_backend",
     "vary",
     "vary_like",

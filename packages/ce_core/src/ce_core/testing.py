@@ -33,6 +33,7 @@ __all__ = [
     "max_rel_error",
     "oracle",
     "random_problem",
+    "stats_oracle",
 ]
 
 
@@ -116,6 +117,61 @@ def _tempered_logits(x2: np.ndarray, w: np.ndarray, cap: float | None, temperatu
         return raw / temperature, np.full_like(raw, 1.0 / temperature)
     t = np.tanh(raw / cap)
     return cap * t / temperature, (1.0 - t**2) / temperature
+
+
+def stats_oracle(
+    x: Any,
+    w: Any,
+    labels: Any,
+    *,
+    w_layout: str = "hv",
+    logit_soft_cap: float | None = None,
+    row_scale: Any = None,
+    cotangent: dict[str, Any] | None = None,
+) -> dict[str, np.ndarray]:
+    """The backend contract's row statistics and their VJP, from the definitions, in float64.
+
+    ``x [N, H]``, ``w [H, V]`` (or ``[V, H]`` for ``w_layout="vh"``), int ``labels [N]`` (a label
+    outside ``[0, V)`` has label logit 0); logits ``z_ij = s_i cap(x_i . w_j)`` with ``s = row_scale``
+    (ones when ``None``). Returns ``lse``, ``label``, ``sum``, ``expected``, ``max``, ``argmax`` (the
+    lowest index of the maximum) and, for ``cotangent`` (a dict with any of ``lse``, ``label``,
+    ``sum``, ``expected``, each ``[N]``, missing ones 0), ``dx [N, H]`` and ``dw`` in ``w``'s layout.
+    """
+    x2 = np.asarray(x, np.float64)
+    head = np.asarray(w, np.float64)
+    if w_layout not in ("hv", "vh"):
+        raise ValueError(f"w_layout must be 'hv' or 'vh', got {w_layout!r}")
+    w_hv = head if w_layout == "hv" else head.T
+    y = np.asarray(labels).reshape(-1)
+    n, vocab = x2.shape[0], w_hv.shape[1]
+    scale = np.ones(n) if row_scale is None else np.asarray(row_scale, np.float64).reshape(-1)
+    capped, dcap = _tempered_logits(x2, w_hv, logit_soft_cap, 1.0)
+    z = scale[:, None] * capped
+    top = z.max(axis=1)
+    lse = top + np.log(np.exp(z - top[:, None]).sum(axis=1))
+    p = np.exp(z - lse[:, None])
+    in_vocab = (y >= 0) & (y < vocab)
+    safe_y = np.where(in_vocab, y, 0)
+    expected = (p * z).sum(axis=1)
+    result = {
+        "lse": lse,
+        "label": np.where(in_vocab, z[np.arange(n), safe_y], 0.0),
+        "sum": z.sum(axis=1),
+        "expected": expected,
+        "max": top,
+        "argmax": np.argmax(z, axis=1).astype(np.int32),
+    }
+    if cotangent is not None:
+        g = {name: np.asarray(cotangent.get(name, np.zeros(n)), np.float64).reshape(-1, 1)
+             for name in ("lse", "label", "sum", "expected")}
+        one_hot = np.zeros_like(z)
+        one_hot[np.arange(n)[in_vocab], safe_y[in_vocab]] = 1.0
+        dz = (g["lse"] * p + g["label"] * one_hot + g["sum"]
+              + g["expected"] * p * (1.0 + z - expected[:, None]))
+        delta = dz * scale[:, None] * dcap
+        result["dx"] = delta @ w_hv.T
+        result["dw"] = x2.T @ delta if w_layout == "hv" else delta.T @ x2
+    return result
 
 
 def log_probs_oracle(

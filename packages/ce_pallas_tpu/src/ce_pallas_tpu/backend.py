@@ -49,7 +49,8 @@ class PallasTpuBackend(Backend):
         """The forward and backward tiles and grids for ``problem`` on the current target, and their source."""
         return ops.make_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype, problem.spec).report()
 
-    def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
+    def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
+                  row_scale: jax.Array | None = None) -> RowStats:
         return ops.row_stats(x, w, labels, spec)
 
     def row_stats_vjp(
@@ -60,6 +61,8 @@ class PallasTpuBackend(Backend):
         stats: RowStats,
         cotangent: RowStats,
         spec: StatsSpec,
+        *,
+        row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         return ops.row_stats_vjp(x, w, labels, stats, cotangent, spec)
 

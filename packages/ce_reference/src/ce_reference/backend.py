@@ -33,7 +33,8 @@ class ReferenceBackend(Backend):
     #: The last resort everywhere: it materialises the logits.
     default_priority = MappingProxyType({"*": 0})
 
-    def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
+    def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
+                  row_scale: jax.Array | None = None) -> RowStats:
         return row_stats(x, w, labels, spec)
 
 

@@ -81,7 +81,8 @@ class XlaBackend(Backend):
     def _plan_for(self, x: jax.Array, w: jax.Array, spec: StatsSpec) -> ChunkPlan:
         return self.plan(x.shape[0], w.shape[0], w.shape[1], spec, x.dtype, w.dtype)
 
-    def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
+    def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
+                  row_scale: jax.Array | None = None) -> RowStats:
         return ops.row_stats(x, w, labels, spec, self._plan_for(x, w, spec))
 
     def row_stats_vjp(
@@ -92,6 +93,8 @@ class XlaBackend(Backend):
         stats: RowStats,
         cotangent: RowStats,
         spec: StatsSpec,
+        *,
+        row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, self._plan_for(x, w, spec))
 
@@ -103,6 +106,8 @@ class XlaBackend(Backend):
         spec: StatsSpec,
         cotangent_fn: CotangentFn,
         token_params: Any,
+        *,
+        row_scale: jax.Array | None = None,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
         return fused.row_stats_and_grads(x, w, labels, spec, self._plan_for(x, w, spec), cotangent_fn, token_params)
 

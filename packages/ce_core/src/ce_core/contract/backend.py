@@ -1,20 +1,29 @@
-"""The backend contract: row statistics of the logits ``z = cap(x @ w)`` and their VJP.
+"""The backend contract: row statistics of the logits ``z_ij = s_i * cap(x_i . w_j)`` and their VJP.
 
-A backend never sees the loss. For each token row ``z_i`` it computes
+``w_j`` is vocab entry ``j`` of the head: column ``j`` of ``w [H, V]`` (``StatsSpec.w_layout == "hv"``,
+the default) or row ``j`` of ``w [V, H]`` (``"vh"``: a head tied to the input embedding, or stored
+the torch way). ``s_i`` is a positive per-token scale, 1 unless ``StatsSpec.with_row_scale`` (then
+the ``row_scale`` argument, float32 ``[N]``: ce_core passes ``1 / T_i`` for per-token temperatures
+under a soft cap, which cannot be folded into ``x``). A backend never sees the loss. For each token
+row ``z_i`` it computes
 
     lse_i      = logsumexp_j z_ij
     label_i    = z_{i, y_i}          (0 when y_i is outside [0, V): a label owned by another vocab shard)
     sum_i      = sum_j z_ij          (only when ``StatsSpec.with_sum``)
     expected_i = sum_j p_ij z_ij     (only when ``StatsSpec.with_expected``; p = softmax(z_i))
+    max_i      = max_j z_ij          (only when ``StatsSpec.with_argmax``)
+    argmax_i   = min {j : z_ij == max_i}   (int32, the lowest index of the maximum, as ``jnp.argmax``)
 
 and differentiates them: for cotangents ``(g_lse, g_label, g_sum, g_expected)`` the logit cotangent is
 ``delta_ij = g_lse_i p_ij + g_label_i [j == y_i] + g_sum_i + g_expected_i p_ij (1 + z_ij - expected_i)``,
-times ``cap'(z)`` when the logits are capped; ``dx = delta @ w.T`` and ``dw = x.T @ delta``. Every
-loss feature (and the entropy, ``lse - expected``) is built from these statistics in ce_core, once,
-for every backend.
+times ``s_i cap'(x_i . w_j)``; ``dx = delta @ w.T`` and ``dw = x.T @ delta`` (for ``"hv"``; ``delta.T @ x``,
+``[V, H]``, for ``"vh"``: ``dw`` always has the layout of ``w``). ``max`` and ``argmax`` are not
+differentiated (their cotangents are ``None``). Every loss feature (and the entropy,
+``lse - expected``) is built from these statistics in ce_core, once, for every backend.
 
 Contract versions: 1 had ``lse``, ``label`` and ``sum``; 2 adds ``expected`` and
-:meth:`Backend.row_stats_vjp`. A version-1 backend still runs every call that needs no ``expected``.
+:meth:`Backend.row_stats_vjp`; 3 adds ``StatsSpec.w_layout``, ``max``/``argmax`` and ``row_scale``.
+An older backend still runs every call that needs nothing its version lacks.
 """
 
 from __future__ import annotations
@@ -35,39 +44,57 @@ from ce_core.contract.varying import vary_like
 #: Bumped whenever the contract below changes. A backend declares the version it was written
 #: against; the registry accepts the versions in :data:`SUPPORTED_CONTRACT_VERSIONS` and refuses a
 #: backend for a call that needs something its version lacks (so a fallback chain moves on).
-CONTRACT_VERSION = 2
-SUPPORTED_CONTRACT_VERSIONS = (1, 2)
+CONTRACT_VERSION = 3
+SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3)
+
+#: The layouts of the head ``w``: ``"hv"`` is ``[H, V]``, ``"vh"`` is ``[V, H]`` (vocab entries as rows).
+W_LAYOUTS = ("hv", "vh")
 
 
 class RowStats(NamedTuple):
-    """Per-token statistics of the logit rows, each float32 of shape ``[N]``."""
+    """Per-token statistics of the logit rows, each of shape ``[N]``: float32, ``argmax`` int32."""
 
     lse: jax.Array
     label: jax.Array
     sum: jax.Array | None = None
     expected: jax.Array | None = None
+    max: jax.Array | None = None
+    argmax: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class StatsSpec:
     """Static options of a row-statistics computation (hashable, so usable as a jit static).
 
-    ``with_sum`` and ``with_expected`` ask for the optional statistics; a backend must return them
-    exactly when asked (``None`` otherwise), so a plain loss pays for neither.
+    ``with_sum``, ``with_expected`` and ``with_argmax`` ask for the optional statistics (the last
+    for both ``max`` and ``argmax``); a backend must return them exactly when asked (``None``
+    otherwise), so a plain loss pays for none of them.
     """
 
     logit_soft_cap: float | None = None
     with_sum: bool = False
     block_sizes: BlockSizes | None = None
     with_expected: bool = False
+    #: MXU precision of the products, as jax names it: ``None`` (the backend's default),
+    #: ``"default"`` (bf16 operands, float32 accumulation), ``"high"`` or ``"highest"``.
+    precision: str | None = None
+    #: The layout of ``w``, one of :data:`W_LAYOUTS` (contract version 3 for ``"vh"``).
+    w_layout: str = "hv"
+    with_argmax: bool = False
+    #: The logits carry a per-token scale ``s_i`` (the ``row_scale`` argument; contract version 3).
+    with_row_scale: bool = False
 
     @property
     def n_stats(self) -> int:
         """How many statistics a row has under this spec (lse and label, plus the optional ones)."""
-        return 2 + self.with_sum + self.with_expected
-    #: MXU precision of the products, as jax names it: ``None`` (the backend's default),
-    #: ``"default"`` (bf16 operands, float32 accumulation), ``"high"`` or ``"highest"``.
-    precision: str | None = None
+        return 2 + self.with_sum + self.with_expected + 2 * self.with_argmax
+
+    @property
+    def needs_version(self) -> int:
+        """The lowest contract version that has every statistic and input this spec asks for."""
+        if self.w_layout != "hv" or self.with_argmax or self.with_row_scale:
+            return 3
+        return 2 if self.with_expected else 1
 
 
 #: How a call is run over devices, as :attr:`Problem.placement` tells a backend:
@@ -132,11 +159,13 @@ class Backend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
+    def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
+                  row_scale: jax.Array | None = None) -> RowStats:
         """Row statistics of ``cap(x @ w)``, differentiable with respect to ``x`` and ``w``.
 
-        ``x`` is ``[N, H]`` with ``N >= 1`` (ce_core answers empty batches itself), ``w`` is ``[H, V]``,
-        ``labels`` is int32 ``[N]``.
+        ``x`` is ``[N, H]`` with ``N >= 1`` (ce_core answers empty batches itself), ``w`` is ``[H, V]``
+        or ``[V, H]`` as ``spec.w_layout`` says, ``labels`` is int32 ``[N]``; ``row_scale`` is float32
+        ``[N]`` when ``spec.with_row_scale`` (never differentiated), else ``None``.
         """
 
     def row_stats_vjp(
@@ -147,6 +176,8 @@ class Backend(abc.ABC):
         stats: RowStats,
         cotangent: RowStats,
         spec: StatsSpec,
+        *,
+        row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``dx, dw`` for cotangents of the statistics, given the statistics of the whole rows.
 
@@ -157,7 +188,7 @@ class Backend(abc.ABC):
         overrides this to skip recomputing them; this default differentiates :meth:`row_stats`,
         converting the cotangent to one of this ``w``'s own statistics (:func:`localize_cotangent`).
         """
-        local, vjp = jax.vjp(lambda x_, w_: self.row_stats(x_, w_, labels, spec), x, w)
+        local, vjp = jax.vjp(lambda x_, w_: _undifferentiated(self._stats(x_, w_, labels, spec, row_scale)), x, w)
         return vjp(vary_like(localize_cotangent(cotangent, local, stats), local))
 
     def row_stats_and_grads(
@@ -168,6 +199,8 @@ class Backend(abc.ABC):
         spec: StatsSpec,
         cotangent_fn: CotangentFn,
         token_params: Any,
+        *,
+        row_scale: jax.Array | None = None,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
         """Statistics plus ``dx, dw`` for cotangents that ``cotangent_fn`` derives from them.
 
@@ -175,9 +208,29 @@ class Backend(abc.ABC):
         forward time, so a backend can form dx and dw in the same pass over each token chunk
         (three matmul passes instead of four). This default differentiates :meth:`row_stats`.
         """
-        stats, vjp = jax.vjp(lambda x_, w_: self.row_stats(x_, w_, labels, spec), x, w)
+        def differentiable(x_: jax.Array, w_: jax.Array):
+            return _split_undifferentiated(self._stats(x_, w_, labels, spec, row_scale))
+
+        stats, vjp, extra = jax.vjp(differentiable, x, w, has_aux=True)
         dx, dw = vjp(cotangent_fn(stats, token_params))
-        return stats, dx, dw
+        return stats._replace(max=extra[0], argmax=extra[1]), dx, dw
+
+    def _stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec,
+               row_scale: jax.Array | None) -> RowStats:
+        """:meth:`row_stats`, passing ``row_scale`` only when asked (older backends do not take it)."""
+        if spec.with_row_scale:
+            return self.row_stats(x, w, labels, spec, row_scale=row_scale)
+        return self.row_stats(x, w, labels, spec)
+
+
+def _undifferentiated(stats: RowStats) -> RowStats:
+    """The differentiable statistics (``max`` and ``argmax`` dropped)."""
+    return stats._replace(max=None, argmax=None)
+
+
+def _split_undifferentiated(stats: RowStats) -> tuple[RowStats, tuple[jax.Array | None, jax.Array | None]]:
+    """The differentiable statistics, and ``(max, argmax)`` apart (an auxiliary output of a VJP)."""
+    return _undifferentiated(stats), (stats.max, stats.argmax)
 
 
 def localize_cotangent(cotangent: RowStats, local: RowStats, whole: RowStats) -> RowStats:

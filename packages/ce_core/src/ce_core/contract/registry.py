@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from ce_core.contract.backend import CONTRACT_VERSION, SUPPORTED_CONTRACT_VERSIONS, Backend, Problem
+from ce_core.contract.backend import CONTRACT_VERSION, SUPPORTED_CONTRACT_VERSIONS, Backend, Problem, StatsSpec
 from ce_core.contract.errors import FallbackWarning, UnsupportedError
 
 ENTRY_POINT_GROUP = "ce_core.backends"
@@ -164,10 +164,20 @@ def select_backend(implementation: str | Sequence[str] | None, problem: Problem)
 def _ensure_runs(backend: Backend, problem: Problem) -> None:
     if not backend.is_available():
         raise UnsupportedError(f"backend {backend.name!r} is not available on platform {jax.default_backend()!r}")
-    if problem.spec.with_expected and (backend.contract_version or 0) < 2:
+    needed = problem.spec.needs_version
+    if (backend.contract_version or 0) < needed:
         raise UnsupportedError(f"backend {backend.name!r} implements contract version {backend.contract_version}, "
-                               "which has no expected-logit statistic (entropy needs version 2)")
+                               f"which lacks what this call needs (version {needed}: {_needs(problem.spec)})")
     backend.check(problem)
+
+
+def _needs(spec: StatsSpec) -> str:
+    """What a spec asks for beyond contract version 1, in words."""
+    needs = [name for name, wanted in (("a [V, H] head (w_layout='vh')", spec.w_layout != "hv"),
+                                       ("the argmax statistic", spec.with_argmax),
+                                       ("a per-token row scale", spec.with_row_scale),
+                                       ("the expected-logit statistic (entropy)", spec.with_expected)) if wanted]
+    return ", ".join(needs)
 
 
 def _warn_once(name: str, reason: str, next_name: str) -> None:
