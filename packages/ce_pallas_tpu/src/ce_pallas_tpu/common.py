@@ -30,6 +30,9 @@ class KernelConfig:
     vmem_limit_bytes: int | None
     precision: str = "default"  # of the products: "default" (bf16 MXU passes) or "high"/"highest" (f32)
     with_expected: bool = False  # also the expected logit sum_j p_j z_j (for the entropy)
+    w_layout: str = "hv"  # "hv": w is [H, V]; "vh": w is [V, H], blocks [block_v, hp], products contract on H
+    with_argmax: bool = False  # the forward also gives each row's max logit and its lowest index
+    with_row_scale: bool = False  # the logits are s_i * cap(x_i . w_j), s a per-token input
 
     @property
     def block_sizes(self) -> BlockSizes:
@@ -38,8 +41,9 @@ class KernelConfig:
 
     @property
     def n_stats(self) -> int:
-        """Statistics per row: lse and label logit, then the logit sum and the expected logit if asked."""
-        return 2 + self.with_sum + self.with_expected
+        """Statistics per row: lse and label logit, then the logit sum, the expected logit, and the max
+        logit with its index, if asked."""
+        return 2 + self.with_sum + self.with_expected + 2 * self.with_argmax
 
     @property
     def nb(self) -> int:

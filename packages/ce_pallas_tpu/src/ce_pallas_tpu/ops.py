@@ -68,6 +68,8 @@ class _SharedConfig(TypedDict):
     logit_soft_cap: float | None
     with_sum: bool
     with_expected: bool
+    w_layout: str
+    with_row_scale: bool
     interpret: object
     vmem_limit_bytes: int | None
     precision: str
@@ -119,6 +121,8 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
         logit_soft_cap=spec.logit_soft_cap,
         with_sum=spec.with_sum,
         with_expected=spec.with_expected,
+        w_layout=spec.w_layout,
+        with_row_scale=spec.with_row_scale,
         interpret=interpret,
         vmem_limit_bytes=limit,
         precision=resolve_precision(x_dtype, w_dtype, spec.precision),
@@ -131,6 +135,7 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
         block_v=tiles.forward.block_v,
         num_cores=active_cores(target.num_cores, nv_forward),
         mxu_side=target.facts.mxu_side,
+        with_argmax=spec.with_argmax,
         **common,
     )
     backward = BackwardConfig(
@@ -144,10 +149,15 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
     return Plan(n, h, v, forward, backward, tiles.source)
 
 
+def vocab_size(w: jax.Array, spec: StatsSpec) -> int:
+    """``V`` of a head in ``spec.w_layout``."""
+    return w.shape[0] if spec.w_layout == "vh" else w.shape[1]
+
+
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
     """lse, label logit and (optionally) logit sum and expected logit of ``cap(x @ w)`` from the kernels."""
     n, h = x.shape
-    plan = make_plan(n, h, w.shape[1], x.dtype, w.dtype, spec)
+    plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
     return _row_stats(x, w, labels, plan)
 
 
@@ -156,7 +166,7 @@ def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, stats: RowStats
     """``dx, dw`` of the statistics from the backward kernel alone, given the rows' whole-vocab
     ``stats`` (their lse, and their expected logit when ``spec.with_expected``)."""
     n, h = x.shape
-    plan = make_plan(n, h, w.shape[1], x.dtype, w.dtype, spec)
+    plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
     y = labels.astype(jnp.int32).reshape(-1, 1)
     dx, dw, _ = _row_stats_bwd(plan, (x, w, y, stats.lse, stats.expected), cotangent)
     return dx, dw
