@@ -154,15 +154,14 @@ def loss_with_placement(x: jax.Array, labels: jax.Array, w: jax.Array, placement
         else:
             loss = jnp.sum(per_token) / _safe_total(token_weights)
         return (loss, call.restore(stats.lse) if return_lse else None,
-                call.argmax_out(stats) if return_argmax else None)
+                call.argmax_out(stats.argmax) if return_argmax else None)
 
     if reduction == "mean":
         token_weights = token_weights / _safe_total(token_weights)
     reduced = _reduced_loss_fn(call.backend, call.spec, config, call.placement)
     scale = () if call.row_scale is None else (call.row_scale,)
     loss, argmax = reduced(call.x, call.w, call.labels, token_weights, *scale)
-    argmax_out = call.restore(jnp.where(call.counted, argmax, -1).astype(jnp.int32)) if return_argmax else None
-    return loss + jnp.sum(call.nan_if_bad), None, argmax_out
+    return loss + jnp.sum(call.nan_if_bad), None, call.argmax_out(argmax) if return_argmax else None
 
 
 def _safe_total(token_weights: jax.Array) -> jax.Array:
@@ -201,7 +200,7 @@ def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, plac
         dx, dw, losses = residuals
         g = cotangents[0]
         no_scale_grad = (None,) if spec.with_row_scale else ()
-        return ((g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, g * losses) + no_scale_grad
+        return ((g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, g * losses, *no_scale_grad)
 
     reduced.defvjp(forward, backward)
     return reduced

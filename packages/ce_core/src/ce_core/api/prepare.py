@@ -75,10 +75,10 @@ class PreparedCall:
                             jnp.zeros(self.labels.shape, jnp.int32) if argmax else None)
         return ops.row_stats(self.backend, self.spec, self.placement, self.x, self.w, self.labels, self.row_scale)
 
-    def argmax_out(self, stats: RowStats) -> jax.Array:
+    def argmax_out(self, argmax: jax.Array | None) -> jax.Array:
         """The per-token argmax in the labels' shape: int32, ``-1`` where the label is ``ignore_index``."""
-        assert stats.argmax is not None  # asked for with with_argmax=True
-        return self.restore(jnp.where(self.counted, stats.argmax, -1).astype(jnp.int32))
+        assert argmax is not None  # asked for with with_argmax=True
+        return self.restore(jnp.where(self.counted, argmax, -1).astype(jnp.int32))
 
 
 def prepare(

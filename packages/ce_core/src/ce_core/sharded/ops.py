@@ -98,7 +98,7 @@ def _row_stats_op(backend: Backend, spec: StatsSpec, placement: Placement):
         smooth = result._replace(max=None, argmax=None)
         ct = cotangent._replace(max=None, argmax=None)
         dx, dw = run(backward_fn, placement, x, w, labels, *scale, *stats_values(smooth), *stats_values(ct))
-        return (dx, dw, None) + tuple(None for _ in scale)
+        return (dx, dw, None, *tuple(None for _ in scale))
 
     op = jax.custom_vjp(stats)
     op.defvjp(forward, backward)

@@ -253,8 +253,9 @@ def check_in_specs(in_specs: object, mesh: AnyMesh, x: jax.Array, w: jax.Array,
     vocab = w.shape[1] if w_layout == "hv" else w.shape[0]
     if vocab % placement.vocab_shards():
         raise ValueError(
-            f"in_specs: w's vocab V={vocab} (w of shape {w.shape}, w_layout={w_layout!r}) does not split evenly over its "
-            f"{placement.vocab_shards()} shards on mesh axes {placement.vocab_axes}; pad w's vocab to a multiple of it"
+            f"in_specs: w's vocab V={vocab} (w of shape {w.shape}, w_layout={w_layout!r}) does not split evenly "
+            f"over its {placement.vocab_shards()} shards on mesh axes {placement.vocab_axes}; pad w's vocab to a "
+            "multiple of it"
         )
     return x_spec, w_spec
 

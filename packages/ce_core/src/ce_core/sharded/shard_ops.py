@@ -162,7 +162,7 @@ class RowStatsAndGradsFn(ShardFn):
 
     @property
     def in_kinds(self) -> tuple[str, ...]:
-        return self.head_kinds + ("tokens",)
+        return (*self.head_kinds, "tokens")
 
     @property
     def out_kinds(self) -> tuple[str, ...]:
