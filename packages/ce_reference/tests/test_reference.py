@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import ce_core
-from ce_core.extend import oracle, random_problem
-from ce_core.testing import max_rel_error, stats_oracle
+from ce_core.extend import max_rel_error, oracle, random_problem, stats_oracle
 from ce_reference import ReferenceBackend, make_backend
 
 
