@@ -50,8 +50,10 @@ def test_vocab_shards_combine_to_the_lowest_global_argmax():
     def per_shard(top, index):
         zeros = jnp.zeros_like(top)
         stats = combine_vocab_shards(RowStats(zeros, zeros, max=top, argmax=index), ("v",), 3)
+        assert stats.max is not None and stats.argmax is not None
         return stats.max, stats.argmax
 
     top, index = jax.vmap(per_shard, axis_name="v")(local_max, local_argmax)
+    top, index = np.asarray(top), np.asarray(index)
     np.testing.assert_array_equal(index[0], [5, 6, 0])
     np.testing.assert_array_equal(top[0], [2.0, 3.0, 4.0])
