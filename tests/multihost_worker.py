@@ -115,6 +115,8 @@ class Checks:
             self.case(f"{backend} sharded_linear_cross_entropy jit", self.sharded_call, backend, True)
             self.case(f"{backend} linear_log_probs eager", self.log_probs, backend, False)
             self.case(f"{backend} linear_log_probs jit", self.log_probs, backend, True)
+            if (ce_core.get_backend(backend).contract_version or 0) >= 3:
+                self.case(f"{backend} jit explicit w_layout=vh return_argmax", self.tied_argmax, backend)
         self.case("bad label named by the process that holds it", self.bad_label)
 
     def case(self, name: str, fn, *args) -> None:
@@ -190,6 +192,28 @@ class Checks:
         check("entropy", entropy, expected["entropy"], LOSS_TOL)
         check("log_probs dx", dx, expected["dx"], GRAD_TOL)
         check("log_probs dw", dw, expected["dw"], GRAD_TOL)
+
+    def tied_argmax(self, backend: str) -> None:
+        """A ``[V, H]`` head split on its vocab rows across both processes, with the per-token argmax."""
+        w_vh = np.ascontiguousarray(self.w.T)
+        mesh = self.meshes["explicit"]
+
+        def loss_fn(x_, labels_, w_):
+            return linear_cross_entropy(x_, labels_, w_, w_layout="vh", return_argmax=True, implementation=backend,
+                                        **OPTIONS)
+
+        with self.entered("explicit"):
+            x, labels, _ = self.place("explicit", *LAYOUTS["data_x_vocab"])
+            w = jax.make_array_from_callback(w_vh.shape, NamedSharding(mesh, P("model", None)),
+                                             lambda index: w_vh[index])
+            (loss, argmax), (dx, dw) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 2), has_aux=True))(
+                x, labels, w)
+        check("vh loss", loss, self.expected["loss"], LOSS_TOL)
+        check("vh dx", dx, self.expected["dx"], GRAD_TOL)
+        check("vh dw", dw, self.expected["dw"].T, GRAD_TOL)
+        z = OPTIONS["logit_soft_cap"] * np.tanh(self.x.astype(np.float64) @ self.w / OPTIONS["logit_soft_cap"])
+        want = np.where(self.labels != -100, np.argmax(z, -1), -1)
+        assert (gathered(argmax) == want).all(), "vh argmax"
 
     def bad_label(self) -> None:
         """A bad label in each process's half of the tokens: each process names the one it holds, globally.

@@ -93,7 +93,8 @@ def run_pair(tmp_path: Path, extra_env: dict[str, str] | None = None, *, timeout
 
 
 def test_every_call_matches_the_oracle_on_two_processes(tmp_path):
-    """Jitted (Explicit and Auto axes) and eager calls, the wrapper and log-probs; bad labels named globally."""
+    """Jitted (Explicit and Auto axes) and eager calls, the wrapper and log-probs, a vocab-split ``[V, H]`` head
+    with the argmax (backends at contract version 3); bad labels named globally."""
     results = run_pair(tmp_path)
     report = "\n\n".join(result.describe() for result in results)
     for result in results:

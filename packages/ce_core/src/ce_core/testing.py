@@ -48,13 +48,14 @@ def oracle(
     logsumexp_weight: float = 0.0,
     logit_soft_cap: float | None = None,
     label_smoothing: float = 0.0,
-    temperature: float = 1.0,
+    temperature: Any = 1.0,
     cotangent: Any = None,
 ) -> dict[str, np.ndarray]:
     """Loss, per-token lse and the gradients ``dx``, ``dw``, ``dweights``, all float64.
 
     Gradients are of ``loss`` for scalar reductions, and of ``sum(cotangent * loss)`` for
-    ``reduction="none"`` (``cotangent`` defaults to ones). The logits are ``cap(x @ w) / temperature``.
+    ``reduction="none"`` (``cotangent`` defaults to ones). The logits are ``cap(x @ w) / temperature``;
+    ``temperature`` is a number or an array broadcastable to ``labels`` (one per token).
     """
     x = np.asarray(x, np.float64)
     w = np.asarray(w, np.float64)
@@ -66,7 +67,7 @@ def oracle(
     n = y.shape[0]
     eps, lam = float(label_smoothing), float(logsumexp_weight)
 
-    logits, cap_grad = _tempered_logits(x2, w, logit_soft_cap, temperature)
+    logits, cap_grad = _tempered_logits(x2, w, logit_soft_cap, _per_row(temperature, batch_shape))
     row_max = logits.max(axis=1)
     lse = row_max + np.log(np.exp(logits - row_max[:, None]).sum(axis=1))
     counted = y != ignore_index
@@ -110,8 +111,15 @@ def oracle(
     }
 
 
-def _tempered_logits(x2: np.ndarray, w: np.ndarray, cap: float | None, temperature: float):
-    """``(z, dz/draw)`` for ``z = cap(x2 @ w) / temperature`` in float64."""
+def _per_row(temperature: Any, batch_shape: tuple[int, ...]) -> Any:
+    """A number as it is; an array broadcast to the tokens and flattened to a ``[N, 1]`` column."""
+    if np.ndim(temperature) == 0 and not isinstance(temperature, np.ndarray | jax.Array):
+        return float(temperature)
+    return np.broadcast_to(np.asarray(temperature, np.float64), batch_shape).reshape(-1, 1)
+
+
+def _tempered_logits(x2: np.ndarray, w: np.ndarray, cap: float | None, temperature: Any):
+    """``(z, dz/draw)`` for ``z = cap(x2 @ w) / temperature`` in float64 (a number or a ``[N, 1]`` column)."""
     raw = x2 @ w
     if cap is None:
         return raw / temperature, np.full_like(raw, 1.0 / temperature)
@@ -179,7 +187,7 @@ def log_probs_oracle(
     labels: Any,
     w: Any,
     *,
-    temperature: float = 1.0,
+    temperature: Any = 1.0,
     logit_soft_cap: float | None = None,
     ignore_index: int = -100,
     logp_cotangent: Any = None,
@@ -189,6 +197,7 @@ def log_probs_oracle(
 
     From the definitions: ``p = softmax(z)``, ``logp_i = log p_{i, y_i}``, ``entropy_i = -sum_j p_ij log p_ij``
     (0 for ignored tokens), with ``dz`` of the entropy ``-p (log p + entropy)``. Cotangents default to ones.
+    ``temperature`` is a number or an array broadcastable to ``labels``.
     """
     x = np.asarray(x, np.float64)
     w = np.asarray(w, np.float64)
@@ -196,7 +205,7 @@ def log_probs_oracle(
     batch_shape, hidden = x.shape[:-1], x.shape[-1]
     x2, y = x.reshape(-1, hidden), labels.reshape(-1)
     n = y.shape[0]
-    logits, dz_draw = _tempered_logits(x2, w, logit_soft_cap, temperature)
+    logits, dz_draw = _tempered_logits(x2, w, logit_soft_cap, _per_row(temperature, batch_shape))
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     p = np.exp(log_p)

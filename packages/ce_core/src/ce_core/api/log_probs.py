@@ -47,14 +47,15 @@ def linear_log_probs(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_en
     Args:
       x: ``[..., H]`` hidden states (bf16, f16 or f32).
       labels: ``[...]`` integer token ids in ``[0, V)`` (the sampled tokens), or ``ignore_index``.
-      w: ``[H, V]`` output projection.
+      w: ``[H, V]`` output projection, or ``[V, H]`` with ``w_layout="vh"``.
       return_entropy: also return each token distribution's entropy (costs one more streamed
         statistic; off by default so plain log-probabilities pay nothing for it).
       **options: keyword options (:class:`ce_core.LogProbsOptions`, each documented there):
-        ``temperature=1.0`` (the sampling temperature), ``logit_soft_cap=None`` (applied before the
+        ``temperature=1.0`` (the sampling temperature: a number, or an array broadcastable to
+        ``labels``, per token or per sequence; not differentiated), ``logit_soft_cap=None`` (applied before the
         temperature), ``ignore_index=-100`` (such tokens' ``logp`` and entropy are 0, and they
         receive no gradient), ``implementation``, ``block_sizes``, ``precision``,
-        ``vocab_axis_name`` and ``in_specs`` as for :func:`ce_core.linear_cross_entropy`; the call
+        ``w_layout``, ``vocab_axis_name`` and ``in_specs`` as for :func:`ce_core.linear_cross_entropy`; the call
         follows the shardings of its inputs the same way.
 
     Returns:
@@ -68,22 +69,26 @@ def linear_log_probs(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_en
         ``[0, V)``; under ``jit`` such a token's ``logp`` is NaN instead. Labels are never clamped.
       UnsupportedError: the named backend cannot run this call.
     """
-    settings, _ = Options.of("linear_log_probs", LogProbsOptions, options)
+    settings, _, temperature = Options.of("linear_log_probs", LogProbsOptions, options)
     if not isinstance(return_entropy, bool):
         raise ValueError(f"return_entropy must be a bool, got {return_entropy!r}")
-    x, labels, w, _ = validation.input_arrays(x, labels, w)
-    placement = find_placement(x, labels, w, settings.vocab_axis_name, settings.in_specs)
-    return run_placed(_log_probs, x, labels, w, placement, options=settings, return_entropy=return_entropy)
+    x, labels, w, _ = validation.input_arrays(x, labels, w, None, settings.w_layout)
+    temperature_tokens = None if temperature is None else validation.temperature_tokens(temperature, labels.shape)
+    placement = find_placement(x, labels, w, settings.vocab_axis_name, settings.in_specs, settings.w_layout)
+    return run_placed(_log_probs, x, labels, w, placement, temperature_tokens=temperature_tokens, options=settings,
+                      return_entropy=return_entropy)
 
 
 def _log_probs(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *, weights: None,
-               options: Options, return_entropy: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
+               temperature_tokens: jax.Array | None, options: Options,
+               return_entropy: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`linear_log_probs` on validated arguments, run as ``placement`` says."""
     call = prepare(x, labels, w, placement, weights=weights, options=options, with_sum=False,
-                   with_expected=return_entropy)
+                   with_expected=return_entropy, temperature_tokens=temperature_tokens)
     stats = call.row_stats()
     logp = jnp.where(call.counted, stats.label - stats.lse, 0.0) + call.nan_if_bad
     if not return_entropy:
         return call.restore(logp)
     assert stats.expected is not None  # asked for with with_expected=True
-    return call.restore(logp), call.restore(jnp.where(call.counted, stats.lse - stats.expected, 0.0))
+    entropy = jnp.where(call.counted, stats.lse - stats.expected, 0.0) + call.nan_if_bad
+    return call.restore(logp), call.restore(entropy)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, Unpack, overload
+from typing import Any, Literal, Unpack, overload
 
 import jax
 import jax.numpy as jnp
@@ -50,60 +50,94 @@ def token_losses(stats: RowStats, config: LossConfig) -> jax.Array:
 
 @overload
 def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: Literal[False] = ...,
-                         **options: Unpack[LossOptions]) -> jax.Array: ...
+                         return_argmax: Literal[False] = ..., **options: Unpack[LossOptions]) -> jax.Array: ...
 
 
 @overload
 def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: Literal[True],
+                         return_argmax: Literal[False] = ...,
                          **options: Unpack[LossOptions]) -> tuple[jax.Array, jax.Array]: ...
 
 
 @overload
-def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: bool,
-                         **options: Unpack[LossOptions]) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: Literal[False] = ...,
+                         return_argmax: Literal[True],
+                         **options: Unpack[LossOptions]) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: Literal[True],
+                         return_argmax: Literal[True],
+                         **options: Unpack[LossOptions]) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+
+
+@overload
+def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: bool = ...,
+                         return_argmax: bool = ...,
+                         **options: Unpack[LossOptions]) -> jax.Array | tuple[jax.Array, ...]: ...
 
 
 def linear_cross_entropy(x: ArrayLike, labels: ArrayLike, w: ArrayLike, *, return_lse: bool = False,
-                         **options: Unpack[LossOptions]) -> jax.Array | tuple[jax.Array, jax.Array]:
+                         return_argmax: bool = False,
+                         **options: Unpack[LossOptions]) -> jax.Array | tuple[jax.Array, ...]:
     """Cross-entropy of the logits ``x @ w`` against ``labels``, never materialising the logits.
 
     Args:
       x: ``[..., H]`` hidden states (bf16, f16 or f32).
       labels: ``[...]`` integer class ids in ``[0, V)``, or ``ignore_index``.
-      w: ``[H, V]`` output projection.
+      w: ``[H, V]`` output projection, or ``[V, H]`` with ``w_layout="vh"`` (a tied embedding table).
       return_lse: also return the per-token logsumexp (float32, shape of ``labels``).
+      return_argmax: also return the per-token argmax of the final logits (after the soft cap and
+        the temperature): int32 in the shape of ``labels``, the lowest index of the maximum, ``-1``
+        where the label is ``ignore_index``; not differentiated. ``argmax == labels`` gives the
+        token accuracy.
       **options: keyword options (:class:`ce_core.LossOptions`, each documented there):
         ``reduction="mean"``, ``weights=None``, ``ignore_index=-100``, ``logsumexp_weight=0.0``,
-        ``logit_soft_cap=None``, ``label_smoothing=0.0``, ``temperature=1.0``, ``implementation=None``,
-        ``block_sizes=None``, ``precision=None``, ``vocab_axis_name=None``, ``in_specs=None``.
+        ``logit_soft_cap=None``, ``label_smoothing=0.0``, ``temperature=1.0`` (a number, or an
+        array broadcastable to ``labels``; not differentiated), ``w_layout="hv"``,
+        ``implementation=None``, ``block_sizes=None``, ``precision=None``, ``vocab_axis_name=None``,
+        ``in_specs=None``.
 
     Returns:
-      The float32 loss (a scalar, or the shape of ``labels`` for ``reduction="none"``), and the
-      lse when ``return_lse``. Gradients have the dtypes of ``x`` and ``w``.
+      The float32 loss (a scalar, or the shape of ``labels`` for ``reduction="none"``); with
+      ``return_lse`` or ``return_argmax`` a tuple: the loss, then the lse if asked, then the argmax
+      if asked. Gradients have the dtypes (and ``dw`` the layout) of ``x`` and ``w``.
 
     Raises:
       ValueError: a bad shape, dtype or option (the message names it), an unknown backend name,
-        or concrete labels outside ``[0, V)``. Under ``jit`` such labels cannot be checked: that
-        token's loss is NaN instead, so training notices. Labels are never clamped.
+        or concrete labels outside ``[0, V)`` (or a concrete temperature that is not finite and
+        positive). Under ``jit`` such values cannot be checked: that token's loss is NaN instead,
+        so training notices. Labels are never clamped.
       UnsupportedError: the named backend cannot run this call.
     """
-    settings, weights = Options.of("linear_cross_entropy", LossOptions, options)
-    x, labels, w, weights = validation.input_arrays(x, labels, w, weights)
-    placement = find_placement(x, labels, w, settings.vocab_axis_name, settings.in_specs)
-    loss, lse = run_placed(loss_with_placement, x, labels, w, placement, weights=weights, options=settings,
-                           return_lse=bool(return_lse))
-    return loss if lse is None else (loss, lse)
+    settings, weights, temperature = Options.of("linear_cross_entropy", LossOptions, options)
+    x, labels, w, weights = validation.input_arrays(x, labels, w, weights, settings.w_layout)
+    temperature_tokens = None if temperature is None else validation.temperature_tokens(temperature, labels.shape)
+    placement = find_placement(x, labels, w, settings.vocab_axis_name, settings.in_specs, settings.w_layout)
+    outputs = run_placed(loss_with_placement, x, labels, w, placement, weights=weights,
+                         temperature_tokens=temperature_tokens, options=settings, return_lse=bool(return_lse),
+                         return_argmax=bool(return_argmax))
+    return packed(outputs)
+
+
+def packed(outputs: tuple[jax.Array, jax.Array | None, jax.Array | None]) -> jax.Array | tuple[jax.Array, ...]:
+    """The loss alone, or ``(loss[, lse][, argmax])`` when either was asked for."""
+    loss, lse, argmax = outputs
+    extras = tuple(v for v in (lse, argmax) if v is not None)
+    return (loss, *extras) if extras else loss
 
 
 def loss_with_placement(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *,
-                        weights: jax.Array | None, options: Options,
-                        return_lse: bool) -> tuple[jax.Array, jax.Array | None]:
-    """``(loss, lse)`` of :func:`linear_cross_entropy` on validated arrays, run as ``placement`` says.
+                        weights: jax.Array | None, options: Options, return_lse: bool,
+                        temperature_tokens: jax.Array | None = None,
+                        return_argmax: bool = False) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """``(loss, lse, argmax)`` of :func:`linear_cross_entropy` on validated arrays, run as ``placement`` says.
 
-    ``lse`` is ``None`` unless ``return_lse``.
+    ``lse`` is ``None`` unless ``return_lse``, ``argmax`` unless ``return_argmax``.
     """
     call = prepare(x, labels, w, placement, weights=weights, options=options,
-                   with_sum=options.label_smoothing > 0, with_expected=False)
+                   with_sum=options.label_smoothing > 0, with_expected=False,
+                   temperature_tokens=temperature_tokens, with_argmax=return_argmax)
     config = LossConfig(float(options.label_smoothing), float(options.logsumexp_weight), call.vocab)
     token_weights = call.counted.astype(jnp.float32)
     if call.weights is not None:
@@ -119,12 +153,15 @@ def loss_with_placement(x: jax.Array, labels: jax.Array, w: jax.Array, placement
             loss = jnp.sum(per_token)
         else:
             loss = jnp.sum(per_token) / _safe_total(token_weights)
-        return loss, (call.restore(stats.lse) if return_lse else None)
+        return (loss, call.restore(stats.lse) if return_lse else None,
+                call.argmax_out(stats.argmax) if return_argmax else None)
 
     if reduction == "mean":
         token_weights = token_weights / _safe_total(token_weights)
     reduced = _reduced_loss_fn(call.backend, call.spec, config, call.placement)
-    return reduced(call.x, call.w, call.labels, token_weights) + jnp.sum(call.nan_if_bad), None
+    scale = () if call.row_scale is None else (call.row_scale,)
+    loss, argmax = reduced(call.x, call.w, call.labels, token_weights, *scale)
+    return loss + jnp.sum(call.nan_if_bad), None, call.argmax_out(argmax) if return_argmax else None
 
 
 def _safe_total(token_weights: jax.Array) -> jax.Array:
@@ -135,11 +172,12 @@ def _safe_total(token_weights: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=256)
 def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, placement: Placement):
-    """``sum_i c_i l_i`` with a VJP whose dx and dw are formed in the forward pass.
+    """``(sum_i c_i l_i, argmax or None)`` with a VJP whose dx and dw are formed in the forward pass.
 
     For a scalar loss every per-token cotangent is known once that token's statistics are, up to
     the final scalar cotangent ``g``; the backend computes dx and dw alongside the statistics
     (``Backend.row_stats_and_grads``, on each shard) and the backward pass only scales them by ``g``.
+    The argmax (``spec.with_argmax``) comes out of the same pass and takes no cotangent.
     """
 
     def weighted_sum(stats: RowStats, coefficients: jax.Array) -> jax.Array:
@@ -148,17 +186,21 @@ def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, plac
     cotangent_fn = jax.grad(weighted_sum)
 
     @jax.custom_vjp
-    def reduced(x, w, labels, coefficients):
-        return weighted_sum(ops.row_stats(backend, spec, placement, x, w, labels), coefficients)
+    def reduced(x, w, labels, coefficients, *scale):
+        stats = ops.row_stats(backend, spec, placement, x, w, labels, *scale)
+        return weighted_sum(stats, coefficients), stats.argmax
 
-    def forward(x, w, labels, coefficients):
-        stats, dx, dw = ops.row_stats_and_grads(backend, spec, placement, cotangent_fn, x, w, labels, coefficients)
+    def forward(x, w, labels, coefficients, *scale):
+        stats, dx, dw = ops.row_stats_and_grads(backend, spec, placement, cotangent_fn, x, w, labels, coefficients,
+                                                *scale)
         losses = token_losses(stats, config)
-        return jnp.sum(coefficients * losses), (dx, dw, losses)
+        return (jnp.sum(coefficients * losses), stats.argmax), (dx, dw, losses)
 
-    def backward(residuals, g):
+    def backward(residuals: Any, cotangents: Any):
         dx, dw, losses = residuals
-        return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, g * losses
+        g = cotangents[0]
+        no_scale_grad = (None,) if spec.with_row_scale else ()
+        return ((g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, g * losses, *no_scale_grad)
 
     reduced.defvjp(forward, backward)
     return reduced

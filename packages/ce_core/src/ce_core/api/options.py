@@ -30,7 +30,14 @@ class LogitOptions(TypedDict, total=False):
 
     Attributes:
       logit_soft_cap: ``c``: logits become ``c * tanh(z / c)`` before the temperature.
-      temperature: ``T > 0``: the logits are ``cap(x . w) / T``; every feature applies to those.
+      temperature: ``T > 0``: the logits are ``cap(x . w) / T``; every feature applies to those. A
+        number (static), or an array broadcastable to ``labels`` (per token, or per sequence as
+        ``[B, 1]``; may be traced). Not differentiated. Concrete values that are not finite and
+        positive are a ``ValueError``; a traced bad value makes that token's loss (or log-prob) NaN.
+      w_layout: ``"hv"`` (the default): ``w`` is ``[H, V]``; ``"vh"``: ``w`` is ``[V, H]`` (vocab entries
+        as rows: an input embedding table used as a tied head, or a torch ``Linear`` weight). No
+        transpose is made; ``dw`` comes back in the layout given, and "vocab-split" means split on
+        the vocab dimension of that layout.
       ignore_index: label value of tokens that count for nothing (no loss, no weight, no gradient).
       implementation: ``None`` for the platform's default chain, a backend name, or a sequence of
         names tried in order (falling back, with a warning, past backends that cannot run it).
@@ -41,11 +48,12 @@ class LogitOptions(TypedDict, total=False):
     """
 
     logit_soft_cap: float | None
-    temperature: float
+    temperature: float | ArrayLike
     ignore_index: int
     implementation: str | Sequence[str] | None
     block_sizes: BlockSizes | None
     precision: str | jax.lax.Precision | None
+    w_layout: str
 
 
 class LossTerms(TypedDict, total=False):
@@ -100,7 +108,8 @@ class ShardedLossOptions(LogitOptions, LossTerms, total=False):
 class Options:
     """Every option, validated, defaults applied (hashable: the static part of a jitted call).
 
-    ``weights`` is an array, so it travels beside this object, not in it.
+    ``weights`` is an array, so it travels beside this object, not in it; so does an array
+    ``temperature`` (``temperature`` here then stays 1.0), while a number stays a static field.
     """
 
     logit_soft_cap: float | None = None
@@ -114,10 +123,15 @@ class Options:
     label_smoothing: float = 0.0
     vocab_axis_name: str | None = None
     in_specs: InSpecs | None = None
+    w_layout: str = "hv"
 
     @classmethod
-    def of(cls, function: str, accepted: type, keywords: Mapping[str, Any]) -> tuple[Options, jax.Array | None]:
-        """``(options, weights)`` from ``function``'s keywords, each checked (a ``ValueError`` naming it).
+    def of(cls, function: str, accepted: type,
+           keywords: Mapping[str, Any]) -> tuple[Options, jax.Array | None, Any]:
+        """``(options, weights, temperature)`` from ``function``'s keywords, each checked (a ``ValueError`` naming it).
+
+        ``temperature`` is ``None`` for a number (kept static in the options), else the array given,
+        unchecked (it needs the labels' shape: :func:`ce_core.api.validation.temperature_tokens`).
 
         ``accepted`` is the function's ``TypedDict``: a keyword outside it is an error that lists them.
         """
@@ -127,6 +141,11 @@ class Options:
             raise ValueError(f"{function}() got unexpected keyword argument(s) {unknown}; it takes {sorted(names)}")
         values = dict(keywords)
         weights = values.pop("weights", None)
+        temperature = None
+        if "temperature" in values and not validation.is_static_number(values["temperature"]):
+            if isinstance(values["temperature"], (bool, str)) or values["temperature"] is None:
+                validation.check_temperature(values["temperature"])
+            temperature = values.pop("temperature")
         # Sequences as tuples: the options are hashable, the static part of a jitted call.
         if isinstance(values.get("in_specs"), list):
             values["in_specs"] = tuple(values["in_specs"])
@@ -140,7 +159,7 @@ class Options:
         values["precision"] = validation.check_precision(values.get("precision"))
         options = cls(**values)
         options.check()
-        return options, None if weights is None else validation.as_array(weights, "weights")
+        return options, None if weights is None else validation.as_array(weights, "weights"), temperature
 
     def check(self) -> None:
         """Each scalar option's range and type."""
@@ -148,5 +167,6 @@ class Options:
                                  self.label_smoothing)
         validation.check_temperature(self.temperature)
         validation.check_vocab_axis_name(self.vocab_axis_name)
+        validation.check_w_layout(self.w_layout)
         if self.block_sizes is not None and not isinstance(self.block_sizes, BlockSizes):
             raise ValueError(f"block_sizes must be None or a ce_core.BlockSizes, got {self.block_sizes!r}")

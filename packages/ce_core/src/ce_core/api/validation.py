@@ -45,17 +45,34 @@ def as_labels(value: object) -> jax.Array:
     return as_array(value, "labels")
 
 
+W_LAYOUTS = ("hv", "vh")
+
+
 def input_arrays(
-    x: object, labels: object, w: object, weights: object | None = None
+    x: object, labels: object, w: object, weights: object | None = None, w_layout: str = "hv"
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """The array arguments of every entry point as arrays, after :func:`check_arrays`."""
     x_array, label_array, w_array = as_array(x, "x"), as_labels(labels), as_array(w, "w")
     weight_array = None if weights is None else as_array(weights, "weights")
-    check_arrays(x_array, label_array, w_array, weight_array)
+    check_arrays(x_array, label_array, w_array, weight_array, w_layout)
     return x_array, label_array, w_array, weight_array
 
 
-def check_arrays(x: jax.Array, labels: jax.Array, w: jax.Array, weights: jax.Array | None) -> None:
+def check_w_layout(w_layout: object) -> str:
+    """``w_layout`` must be ``"hv"`` (``w`` is ``[H, V]``) or ``"vh"`` (``[V, H]``, a tied embedding table)."""
+    if not isinstance(w_layout, str) or w_layout not in W_LAYOUTS:
+        raise ValueError(f"w_layout must be one of {W_LAYOUTS} ('hv': w is [H, V]; 'vh': w is [V, H]), "
+                         f"got {w_layout!r}")
+    return w_layout
+
+
+def vocab_dim(w_layout: str) -> int:
+    """The dimension of ``w`` that holds the vocabulary."""
+    return 1 if w_layout == "hv" else 0
+
+
+def check_arrays(x: jax.Array, labels: jax.Array, w: jax.Array, weights: jax.Array | None,
+                 w_layout: str = "hv") -> None:
     """Ranks, matching shapes and dtypes of the array arguments."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must be a floating array (bf16, f16 or f32), got dtype {x.dtype}")
@@ -63,21 +80,25 @@ def check_arrays(x: jax.Array, labels: jax.Array, w: jax.Array, weights: jax.Arr
         raise ValueError(f"w must be a floating array (bf16, f16 or f32), got dtype {w.dtype}")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise ValueError(f"labels must be an integer array of class ids, got dtype {labels.dtype}")
+    shape_name = "[H, V]" if w_layout == "hv" else "[V, H] (w_layout='vh')"
     if w.ndim != 2:
-        raise ValueError(f"w must have shape [H, V], got shape {w.shape}")
+        raise ValueError(f"w must have shape {shape_name}, got shape {w.shape}")
     if x.ndim < 1:
         raise ValueError("x must have shape [..., H], got a scalar")
-    if x.shape[-1] != w.shape[0]:
+    hidden = w.shape[1 - vocab_dim(w_layout)]
+    if x.shape[-1] != hidden:
         raise ValueError(
-            f"hidden sizes differ: x has shape {x.shape} (H={x.shape[-1]}) but w has shape {w.shape} (H={w.shape[0]})"
+            f"hidden sizes differ: x has shape {x.shape} (H={x.shape[-1]}) but w has shape {w.shape} (H={hidden}"
+            + (")" if w_layout == "hv" else ", w_layout='vh': w is [V, H])")
         )
     if labels.shape != x.shape[:-1]:
         raise ValueError(
             f"labels must have shape x.shape[:-1] = {x.shape[:-1]}, got labels of shape {labels.shape} "
             f"for x of shape {x.shape}"
         )
-    if w.shape[1] == 0:
-        raise ValueError(f"w must have at least one vocab column, got shape {w.shape}")
+    if w.shape[vocab_dim(w_layout)] == 0:
+        where = "column" if w_layout == "hv" else "row (w_layout='vh')"
+        raise ValueError(f"w must have at least one vocab {where}, got shape {w.shape}")
     if weights is not None:
         if not jnp.issubdtype(weights.dtype, jnp.floating):
             raise ValueError(f"weights must be a floating array, got dtype {weights.dtype}")
@@ -114,9 +135,45 @@ def check_soft_cap(logit_soft_cap: object) -> None:
 
 
 def check_temperature(temperature: object) -> None:
-    """``temperature`` must be a finite Python number above 0."""
+    """A static ``temperature`` must be a finite Python number above 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
+        raise ValueError(f"temperature must be a number > 0 or an array of them (broadcastable to labels), "
+                         f"got {temperature!r}")
     if _check_number("temperature", temperature) <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def is_static_number(value: object) -> bool:
+    """Whether ``value`` is a Python (or NumPy scalar) number: a static temperature, as before arrays."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def temperature_tokens(temperature: object, labels_shape: tuple[int, ...]) -> jax.Array:
+    """A per-token temperature array as float32 in the labels' shape; concrete values checked by name.
+
+    Concrete values must be finite and above 0 (a ``ValueError``); traced ones cannot be checked, and
+    a bad one makes that token's loss NaN instead (:mod:`ce_core.api.prepare`).
+    """
+    if isinstance(temperature, bool) or isinstance(temperature, str):
+        raise ValueError(f"temperature must be a number > 0 or an array of them, got {temperature!r}")
+    values = as_array(temperature, "temperature")
+    if not (jnp.issubdtype(values.dtype, jnp.floating) or jnp.issubdtype(values.dtype, jnp.integer)):
+        raise ValueError(f"temperature must be a real number or array, got dtype {values.dtype}")
+    try:
+        shape = jnp.broadcast_shapes(values.shape, labels_shape)
+    except ValueError:
+        shape = None
+    if shape != tuple(labels_shape):
+        raise ValueError(f"temperature of shape {values.shape} does not broadcast to the labels' shape "
+                         f"{tuple(labels_shape)} (give one per token, or per sequence as [B, 1])")
+    if not isinstance(values, Tracer) and values.is_fully_addressable:
+        host = np.asarray(values, np.float64)
+        bad = ~(np.isfinite(host) & (host > 0))
+        if bad.any():
+            position = np.unravel_index(int(np.argmax(bad)), host.shape)
+            raise ValueError(f"temperature must be finite and > 0 everywhere; temperature{list(map(int, position))} "
+                             f"= {host[position]} ({int(bad.sum())} bad values in all)")
+    return jnp.broadcast_to(values.astype(jnp.float32), labels_shape)
 
 
 def check_vocab_axis_name(vocab_axis_name: object) -> None:

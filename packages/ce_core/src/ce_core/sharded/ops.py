@@ -9,7 +9,9 @@ Because differentiation stops at these ops, the same per-shard code serves every
   axes with a layout fixed at trace time, the sharded wrapper).
 
 Arrays keep their leading token dimensions (``x: [..., H]``, labels ``[...]``); each shard flattens
-its own rows, so no sharded array is ever reshaped across devices.
+its own rows, so no sharded array is ever reshaped across devices. ``max`` and ``argmax`` (when the spec
+asks) come out of the same forward pass and take no cotangent; a ``row_scale`` (``StatsSpec.with_row_scale``)
+is one more per-token input, never differentiated.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import jax
 from ce_core.contract.backend import Backend, CotangentFn, RowStats, StatsSpec
 from ce_core.sharded.batching import batched_by_kinds
 from ce_core.sharded.placement import Placement
-from ce_core.sharded.shard_ops import RowStatsAndGradsFn, RowStatsFn, RowStatsVjpFn, ShardFn, stats_from, stats_values
+from ce_core.sharded.shard_ops import (
+    RowStatsAndGradsFn,
+    RowStatsFn,
+    RowStatsVjpFn,
+    ShardFn,
+    differentiable_spec,
+    stats_from,
+    stats_values,
+)
 
 
 def run(fn: ShardFn, placement: Placement, *args: jax.Array) -> tuple[jax.Array, ...]:
@@ -48,35 +58,47 @@ def _per_shard(fn: ShardFn, placement: Placement):
 
 
 def row_stats(backend: Backend, spec: StatsSpec, placement: Placement, x: jax.Array, w: jax.Array,
-              labels: jax.Array) -> RowStats:
-    """Row statistics of ``cap(x @ w)`` over the whole vocabulary, differentiable in ``x`` and ``w``."""
-    return _row_stats_op(backend, spec, placement)(x, w, labels)
+              labels: jax.Array, row_scale: jax.Array | None = None) -> RowStats:
+    """Row statistics of ``s * cap(x @ w)`` over the whole vocabulary, differentiable in ``x`` and ``w``."""
+    return _row_stats_op(backend, spec, placement)(x, w, labels, *_scale_args(spec, row_scale))
 
 
 def row_stats_and_grads(backend: Backend, spec: StatsSpec, placement: Placement, cotangent_fn: CotangentFn,
-                        x: jax.Array, w: jax.Array, labels: jax.Array,
-                        coefficients: jax.Array) -> tuple[RowStats, jax.Array, jax.Array]:
+                        x: jax.Array, w: jax.Array, labels: jax.Array, coefficients: jax.Array,
+                        row_scale: jax.Array | None = None) -> tuple[RowStats, jax.Array, jax.Array]:
     """Statistics with ``dx`` and ``dw`` (dtypes of ``x`` and ``w``) for ``cotangent_fn``'s cotangents."""
-    out = run(RowStatsAndGradsFn(backend, spec, cotangent_fn), placement, x, w, labels, coefficients)
+    out = run(RowStatsAndGradsFn(backend, spec, cotangent_fn), placement, x, w, labels,
+              *_scale_args(spec, row_scale), coefficients)
     return stats_from(out, spec), out[-2], out[-1]
+
+
+def _scale_args(spec: StatsSpec, row_scale: jax.Array | None) -> tuple[jax.Array, ...]:
+    if not spec.with_row_scale:
+        return ()
+    if row_scale is None:
+        raise ValueError("StatsSpec.with_row_scale needs a row_scale")
+    return (jax.lax.stop_gradient(row_scale),)
 
 
 @functools.lru_cache(maxsize=256)
 def _row_stats_op(backend: Backend, spec: StatsSpec, placement: Placement):
     forward_fn = RowStatsFn(backend, spec)
-    backward_fn = RowStatsVjpFn(backend, spec)
+    smooth_spec = differentiable_spec(spec)
+    backward_fn = RowStatsVjpFn(backend, smooth_spec)
 
-    def stats(x, w, labels):
-        return stats_from(run(forward_fn, placement, x, w, labels), spec)
+    def stats(x, w, labels, *scale):
+        return stats_from(run(forward_fn, placement, x, w, labels, *scale), spec)
 
-    def forward(x, w, labels):
-        result = stats(x, w, labels)
-        return result, (x, w, labels, result)
+    def forward(x, w, labels, *scale):
+        result = stats(x, w, labels, *scale)
+        return result, (x, w, labels, scale, result)
 
     def backward(residuals: Any, cotangent: RowStats):
-        x, w, labels, result = residuals
-        dx, dw = run(backward_fn, placement, x, w, labels, *stats_values(result), *stats_values(cotangent))
-        return dx, dw, None
+        x, w, labels, scale, result = residuals
+        smooth = result._replace(max=None, argmax=None)
+        ct = cotangent._replace(max=None, argmax=None)
+        dx, dw = run(backward_fn, placement, x, w, labels, *scale, *stats_values(smooth), *stats_values(ct))
+        return (dx, dw, None, *tuple(None for _ in scale))
 
     op = jax.custom_vjp(stats)
     op.defvjp(forward, backward)

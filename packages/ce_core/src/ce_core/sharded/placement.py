@@ -62,6 +62,8 @@ class Placement:
     multiple of the token shards before the call (:class:`ce_core.sharded.flat_tokens.FlatTokens`), and
     ``token_spec`` has one entry for that dimension. ``stated``: the caller's ``in_specs``; inputs
     are constrained to them first, so the gradients come back laid out as the caller's arrays are.
+    ``w_layout``: ``"hv"`` (``w`` is ``[H, V]``) or ``"vh"`` (``[V, H]``): which dimension of ``w`` the
+    vocab axes split.
     """
 
     kind: str = "local"
@@ -71,6 +73,7 @@ class Placement:
     typed: bool = False
     flat_tokens: bool = False
     stated: InSpecs | None = None
+    w_layout: str = "hv"
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -104,7 +107,8 @@ class Placement:
     def spec(self, kind: str) -> PartitionSpec:
         """The ``shard_map`` spec of an array of ``kind`` (``"x"``, ``"w"`` or ``"tokens"``)."""
         vocab: SpecEntry = _entry(self.vocab_axes)
-        return {"x": PartitionSpec(*self.token_spec, None), "w": PartitionSpec(None, vocab),
+        w_spec = PartitionSpec(None, vocab) if self.w_layout == "hv" else PartitionSpec(vocab, None)
+        return {"x": PartitionSpec(*self.token_spec, None), "w": w_spec,
                 "tokens": PartitionSpec(*self.token_spec)}[kind]
 
 
@@ -154,8 +158,10 @@ def typed_mesh(*values: Any) -> AnyMesh | None:
 
 
 def find_placement(x: jax.Array, labels: jax.Array, w: jax.Array, vocab_axis_name: str | None,
-                   in_specs: InSpecs | None = None) -> Placement:
+                   in_specs: InSpecs | None = None, w_layout: str = "hv") -> Placement:
     """The placement of a ``linear_cross_entropy`` call, from the context, the input types and ``in_specs``.
+
+    ``w_layout`` says which dimension of ``w`` is its vocabulary (the one vocab axes split).
 
     Raises:
       ValueError: ``in_specs`` that are malformed, name axes the mesh lacks, split a dimension
@@ -170,7 +176,7 @@ def find_placement(x: jax.Array, labels: jax.Array, w: jax.Array, vocab_axis_nam
                 "vocab_axis_name) the call is one shard's, so pass in_specs=None there"
             )
         vocab = (vocab_axis_name,) if vocab_axis_name is not None else ()
-        return Placement("local", vocab_axes=vocab, typed=inside_shard_map)
+        return Placement("local", vocab_axes=vocab, typed=inside_shard_map, w_layout=w_layout)
     mesh = typed_mesh(x, w, labels)
     if in_specs is not None:
         if mesh is None:
@@ -178,18 +184,20 @@ def find_placement(x: jax.Array, labels: jax.Array, w: jax.Array, vocab_axis_nam
                 f"in_specs={in_specs!r} name mesh axes, but no mesh is visible to this call: enter one with "
                 "jax.set_mesh(mesh), or place the inputs with jax.device_put(..., NamedSharding(mesh, spec))"
             )
-        x_spec, w_spec = check_in_specs(in_specs, mesh, x, w)
-        return dataclasses.replace(placement_from_specs(mesh, x_spec, w_spec, x.ndim), stated=(x_spec, w_spec))
+        x_spec, w_spec = check_in_specs(in_specs, mesh, x, w, w_layout)
+        return dataclasses.replace(placement_from_specs(mesh, x_spec, w_spec, x.ndim, w_layout),
+                                   stated=(x_spec, w_spec))
     if mesh is None:
-        return LOCAL
+        return dataclasses.replace(LOCAL, w_layout=w_layout)
     if mesh.explicit_axes:  # even of size 1: explicit types reject ops that split along their axes
-        return placement_from_specs(mesh, jax.typeof(x).sharding.spec, jax.typeof(w).sharding.spec, x.ndim)
+        return placement_from_specs(mesh, jax.typeof(x).sharding.spec, jax.typeof(w).sharding.spec, x.ndim,
+                                    w_layout)
     if mesh.size == 1:
-        return LOCAL
-    return default_placement(mesh)
+        return dataclasses.replace(LOCAL, w_layout=w_layout)
+    return default_placement(mesh, w_layout)
 
 
-def default_placement(mesh: AnyMesh) -> Placement:
+def default_placement(mesh: AnyMesh, w_layout: str = "hv") -> Placement:
     """Auto axes, no layout stated: the flattened tokens split over every mesh axis, ``w`` whole.
 
     Chosen so that the caller's arrays reach it cheaply whatever their layout: tokens split over some
@@ -199,20 +207,24 @@ def default_placement(mesh: AnyMesh) -> Placement:
     compiler gathers it to the caller's layout over the axes that layout leaves whole.
     """
     axes = tuple(name for name in mesh.axis_names if mesh.shape[name] > 1)
-    return Placement("shard_map", mesh=mesh, token_spec=(_entry(axes),), flat_tokens=True)
+    return Placement("shard_map", mesh=mesh, token_spec=(_entry(axes),), flat_tokens=True, w_layout=w_layout)
 
 
-def placement_from_specs(mesh: AnyMesh, x_spec: PartitionSpec, w_spec: PartitionSpec, x_ndim: int) -> Placement:
-    """Tokens split as ``x_spec`` says; V split over ``w_spec``'s column axes that do not split tokens."""
+def placement_from_specs(mesh: AnyMesh, x_spec: PartitionSpec, w_spec: PartitionSpec, x_ndim: int,
+                         w_layout: str = "hv") -> Placement:
+    """Tokens split as ``x_spec`` says; V split over the axes of ``w_spec``'s vocab dimension (its columns for
+    ``"hv"``, its rows for ``"vh"``) that do not split tokens."""
     x_entries = spec_entries(x_spec, x_ndim)
     token_spec = tuple(without_trivial_axes(entry, mesh) for entry in x_entries[:-1])
     tokens = {a for entry in token_spec for a in axes_of(entry)}
     w_entries = spec_entries(w_spec, 2)
-    vocab = tuple(a for a in axes_of(without_trivial_axes(w_entries[1], mesh)) if a not in tokens)
-    return Placement("shard_map", mesh=mesh, token_spec=token_spec, vocab_axes=vocab)
+    vocab_entry = w_entries[1] if w_layout == "hv" else w_entries[0]
+    vocab = tuple(a for a in axes_of(without_trivial_axes(vocab_entry, mesh)) if a not in tokens)
+    return Placement("shard_map", mesh=mesh, token_spec=token_spec, vocab_axes=vocab, w_layout=w_layout)
 
 
-def check_in_specs(in_specs: object, mesh: AnyMesh, x: jax.Array, w: jax.Array) -> tuple[PartitionSpec, PartitionSpec]:
+def check_in_specs(in_specs: object, mesh: AnyMesh, x: jax.Array, w: jax.Array,
+                   w_layout: str = "hv") -> tuple[PartitionSpec, PartitionSpec]:
     """``in_specs`` as ``(x_spec, w_spec)``, checked against the mesh and the shapes (a ValueError naming them)."""
     if (not isinstance(in_specs, (tuple, list)) or len(in_specs) != 2
             or not all(isinstance(s, PartitionSpec) for s in in_specs)):
@@ -229,7 +241,7 @@ def check_in_specs(in_specs: object, mesh: AnyMesh, x: jax.Array, w: jax.Array) 
                                  f"mesh axes: {tuple(mesh.axis_names)}")
         if len(set(used)) != len(used):
             raise ValueError(f"in_specs: the spec of {name}, {spec}, uses a mesh axis twice")
-    placement = placement_from_specs(mesh, x_spec, w_spec, x.ndim)
+    placement = placement_from_specs(mesh, x_spec, w_spec, x.ndim, w_layout)
     for dim, entry in enumerate(placement.token_spec):
         shards = _axes_size(mesh, axes_of(entry))
         if x.shape[dim] % shards:
@@ -238,10 +250,12 @@ def check_in_specs(in_specs: object, mesh: AnyMesh, x: jax.Array, w: jax.Array) 
                 f"over its {shards} shards on mesh axes {axes_of(entry)}; pad it, or leave in_specs=None (the "
                 "default layout pads the tokens itself)"
             )
-    if w.shape[1] % placement.vocab_shards():
+    vocab = w.shape[1] if w_layout == "hv" else w.shape[0]
+    if vocab % placement.vocab_shards():
         raise ValueError(
-            f"in_specs: w's vocab V={w.shape[1]} (w of shape {w.shape}) does not split evenly over its "
-            f"{placement.vocab_shards()} shards on mesh axes {placement.vocab_axes}; pad w's vocab to a multiple of it"
+            f"in_specs: w's vocab V={vocab} (w of shape {w.shape}, w_layout={w_layout!r}) does not split evenly "
+            f"over its {placement.vocab_shards()} shards on mesh axes {placement.vocab_axes}; pad w's vocab to a "
+            "multiple of it"
         )
     return x_spec, w_spec
 

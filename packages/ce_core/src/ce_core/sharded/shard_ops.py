@@ -12,7 +12,9 @@ Nothing here is differentiated through: :mod:`ce_core.sharded.ops` wraps these f
 the same code runs whole on one device and inside ``jax.shard_map``. Each function is a frozen
 dataclass (hashable, so the op built around it can be cached) taking and returning flat tuples of
 arrays, with the kind of every array declared:
-``"x"`` (``[..., H]``), ``"w"`` (``[H, V]``) or ``"tokens"`` (``[...]``, one value per token).
+``"x"`` (``[..., H]``), ``"w"`` (``[H, V]`` or ``[V, H]``, as ``StatsSpec.w_layout`` says) or ``"tokens"``
+(``[...]``, one value per token). Under ``StatsSpec.with_row_scale`` every function takes the per-token
+scale as one more ``"tokens"`` input right after the labels, never differentiated.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from ce_core.contract.backend import Backend, CotangentFn, RowStats, StatsSpec, localize_cotangent
 from ce_core.contract.varying import align_varying, psum_to, vary_like
@@ -39,12 +42,27 @@ def _flat_rows(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])
 
 
+def local_vocab(w: jax.Array, spec: StatsSpec) -> int:
+    """The vocab size of this shard's ``w`` (its columns for ``"hv"``, its rows for ``"vh"``)."""
+    return w.shape[1] if spec.w_layout == "hv" else w.shape[0]
+
+
+def _scale_kw(spec: StatsSpec, row_scale: jax.Array | None) -> dict[str, Any]:
+    """The ``row_scale`` keyword, passed only when the spec asks (older backends do not take it)."""
+    return {"row_scale": row_scale} if spec.with_row_scale else {}
+
+
 def _stats_out(stats: RowStats, shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
     return tuple(s.reshape(shape) for s in stats if s is not None)
 
 
 def _stats_in(values: tuple[jax.Array, ...], spec: StatsSpec) -> RowStats:
     return stats_from(tuple(v.reshape(-1) for v in values), spec)
+
+
+def differentiable_spec(spec: StatsSpec) -> StatsSpec:
+    """``spec`` without ``max``/``argmax``: the statistics a VJP takes and gives cotangents for."""
+    return dataclasses.replace(spec, with_argmax=False) if spec.with_argmax else spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,89 +84,118 @@ class ShardFn:
     def out_kinds(self) -> tuple[str, ...]:
         raise NotImplementedError
 
+    @property
+    def head_kinds(self) -> tuple[str, ...]:
+        """``x``, ``w``, the labels and (under ``with_row_scale``) the row scale."""
+        return ("x", "w", "tokens") + (("tokens",) if self.spec.with_row_scale else ())
+
+    def split_head(self, args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None,
+                                                                tuple[jax.Array, ...]]:
+        """``(x, w, labels, row_scale or None, rest)`` from the flat arguments."""
+        x, w, labels = args[:3]
+        if self.spec.with_row_scale:
+            return x, w, labels, args[3], args[4:]
+        return x, w, labels, None, args[3:]
+
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
         raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
 class RowStatsFn(ShardFn):
-    """``(x, w, labels) -> (lse, label[, sum])`` over the whole vocabulary."""
+    """``(x, w, labels[, row_scale]) -> (lse, label[, sum][, expected][, max, argmax])`` over the whole vocabulary."""
 
     @property
     def in_kinds(self) -> tuple[str, ...]:
-        return ("x", "w", "tokens")
+        return self.head_kinds
 
     @property
     def out_kinds(self) -> tuple[str, ...]:
         return ("tokens",) * self.n_stats
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
-        x, w, labels = args
-        xf, w_, yf = align_varying(_flat_rows(x), w, labels.reshape(-1))
-        local = self.backend.row_stats(xf, w_, yf - vocab_offset(axes.vocab, w.shape[1]), self.spec)
-        return _stats_out(combine_vocab_shards(local, axes.vocab), labels.shape)
+        x, w, labels, scale, _ = self.split_head(args)
+        xf, w_, yf, sf = align_varying(_flat_rows(x), w, labels.reshape(-1), _flat_tokens(scale))
+        v = local_vocab(w, self.spec)
+        local = self.backend.row_stats(xf, w_, yf - vocab_offset(axes.vocab, v), self.spec, **_scale_kw(self.spec, sf))
+        return _stats_out(combine_vocab_shards(local, axes.vocab, v), labels.shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class RowStatsVjpFn(ShardFn):
-    """``(x, w, labels, *stats, *cotangents) -> (dx, dw)``, given the whole rows' statistics."""
+    """``(x, w, labels[, row_scale], *stats, *cotangents) -> (dx, dw)``, given the whole rows' statistics.
+
+    Its spec has no ``max``/``argmax`` (:func:`differentiable_spec`): they take no cotangent.
+    """
 
     @property
     def in_kinds(self) -> tuple[str, ...]:
-        return ("x", "w", "tokens") + ("tokens",) * (2 * self.n_stats)
+        return self.head_kinds + ("tokens",) * (2 * self.n_stats)
 
     @property
     def out_kinds(self) -> tuple[str, ...]:
         return ("x", "w")
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
-        x, w, labels = args[:3]
-        stats, cotangent = args[3:3 + self.n_stats], args[3 + self.n_stats:]
-        xf, w_, yf, stats_f, ct = align_varying(_flat_rows(x), w, labels.reshape(-1), _stats_in(stats, self.spec),
-                                                _stats_in(cotangent, self.spec))
-        dx, dw = self.backend.row_stats_vjp(xf, w_, yf - vocab_offset(axes.vocab, w.shape[1]), stats_f, ct, self.spec)
+        x, w, labels, scale, rest = self.split_head(args)
+        stats, cotangent = rest[:self.n_stats], rest[self.n_stats:]
+        xf, w_, yf, sf, stats_f, ct = align_varying(_flat_rows(x), w, labels.reshape(-1), _flat_tokens(scale),
+                                                    _stats_in(stats, self.spec), _stats_in(cotangent, self.spec))
+        yf = yf - vocab_offset(axes.vocab, local_vocab(w, self.spec))
+        dx, dw = self.backend.row_stats_vjp(xf, w_, yf, stats_f, ct, self.spec, **_scale_kw(self.spec, sf))
         dx = dx.astype(x.dtype).reshape(x.shape)
         return _sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes)
 
 
 @dataclasses.dataclass(frozen=True)
 class RowStatsAndGradsFn(ShardFn):
-    """``(x, w, labels, coefficients) -> (lse, label[, sum], dx, dw)`` for a scalar loss.
+    """``(x, w, labels[, row_scale], coefficients) -> (*stats, dx, dw)`` for a scalar loss.
 
     ``cotangent_fn(stats, coefficients)`` gives the cotangents of the statistics (see
-    :meth:`ce_core.Backend.row_stats_and_grads`). Without vocab shards the backend forms ``dx`` and
-    ``dw`` in its forward pass (6NHV on backends that fuse). With vocab shards a token's cotangents
-    need the global lse first, so each shard keeps its forward residuals, combines, and then runs
-    its backward pass (8NHV).
+    :meth:`ce_core.Backend.row_stats_and_grads`; it sees them without ``max``/``argmax``). Without
+    vocab shards the backend forms ``dx`` and ``dw`` in its forward pass (6NHV on backends that fuse).
+    With vocab shards a token's cotangents need the global lse first, so each shard keeps its forward
+    residuals, combines, and then runs its backward pass (8NHV).
     """
 
     cotangent_fn: CotangentFn
 
     @property
     def in_kinds(self) -> tuple[str, ...]:
-        return ("x", "w", "tokens", "tokens")
+        return (*self.head_kinds, "tokens")
 
     @property
     def out_kinds(self) -> tuple[str, ...]:
         return ("tokens",) * self.n_stats + ("x", "w")
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
-        x, w, labels, coefficients = args
-        xf, w_, yf = align_varying(_flat_rows(x), w, labels.reshape(-1))
+        x, w, labels, scale, (coefficients,) = self.split_head(args)
+        xf, w_, yf, sf = align_varying(_flat_rows(x), w, labels.reshape(-1), _flat_tokens(scale))
         # Not aligned: the coefficients must vary like the combined statistics, or differentiating
         # sum(coefficients * losses) would sum the statistics' cotangents over the vocab shards.
         cf = coefficients.reshape(-1)
-        yf = yf - vocab_offset(axes.vocab, w.shape[1])
+        v = local_vocab(w, self.spec)
+        yf = yf - vocab_offset(axes.vocab, v)
+        scale_kw = _scale_kw(self.spec, sf)
         if not axes.vocab:
-            stats, dx, dw = self.backend.row_stats_and_grads(xf, w_, yf, self.spec, self.cotangent_fn, cf)
+            stats, dx, dw = self.backend.row_stats_and_grads(xf, w_, yf, self.spec, self.cotangent_fn, cf, **scale_kw)
         else:
-            local, vjp = jax.vjp(lambda a, b: self.backend.row_stats(a, b, yf, self.spec), xf, w_)
-            stats = combine_vocab_shards(local, axes.vocab)
-            cotangent: Any = localize_cotangent(self.cotangent_fn(stats, cf), local, stats)
+            def differentiable(a: jax.Array, b: jax.Array):
+                full = self.backend.row_stats(a, b, yf, self.spec, **scale_kw)
+                return full._replace(max=None, argmax=None), (full.max, full.argmax)
+
+            local, vjp, (top, index) = jax.vjp(differentiable, xf, w_, has_aux=True)
+            stats = combine_vocab_shards(local._replace(max=top, argmax=index), axes.vocab, v)
+            smooth = stats._replace(max=None, argmax=None)
+            cotangent: Any = localize_cotangent(self.cotangent_fn(smooth, cf), local, smooth)
             dx, dw = vjp(vary_like(cotangent, local))
         dx = dx.astype(x.dtype).reshape(x.shape)
         grads = (_sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes))
         return _stats_out(stats, labels.shape) + grads
+
+
+def _flat_tokens(values: jax.Array | None) -> jax.Array | None:
+    return None if values is None else jax.lax.stop_gradient(values.reshape(-1).astype(jnp.float32))
 
 
 def stats_from(values: tuple[jax.Array, ...], spec: StatsSpec) -> RowStats:
@@ -156,9 +203,11 @@ def stats_from(values: tuple[jax.Array, ...], spec: StatsSpec) -> RowStats:
     rest = iter(values[2:])
     total = next(rest) if spec.with_sum else None
     expected = next(rest) if spec.with_expected else None
-    return RowStats(values[0], values[1], total, expected)
+    top = next(rest) if spec.with_argmax else None
+    index = next(rest) if spec.with_argmax else None
+    return RowStats(values[0], values[1], total, expected, top, index)
 
 
 def stats_values(stats: RowStats) -> tuple[jax.Array, ...]:
-    """The arrays of ``stats`` in output order (the sum only when present)."""
+    """The arrays of ``stats`` in output order (the optional ones only when present)."""
     return tuple(s for s in stats if s is not None)

@@ -2,7 +2,9 @@
 
 Each shard computes the statistics of its slice of the logits, with labels shifted by the shard's
 first vocab id (a label owned by another shard contributes 0 locally). The global statistics are a
-stable logsumexp of the shards' lse values and plain sums of the rest. The vocab axes may be
+stable logsumexp of the shards' lse values and plain sums of the rest; the max is the largest
+shard max, and the argmax the lowest *global* index among the shards that reach it (as ``jnp.argmax``
+over the whole row). The vocab axes may be
 several mesh axes; shards are then numbered row-major over them, as JAX lays out a dimension
 sharded over a tuple of axes.
 """
@@ -38,8 +40,11 @@ def vocab_offset(axes: tuple[str, ...], local_vocab: int) -> jax.Array | int:
     return jax.lax.axis_index(axes) * local_vocab
 
 
-def combine_vocab_shards(local: RowStats, axes: tuple[str, ...]) -> RowStats:
-    """Global row statistics from every vocab shard's local ones (``local`` itself without axes)."""
+def combine_vocab_shards(local: RowStats, axes: tuple[str, ...], local_vocab: int = 0) -> RowStats:
+    """Global row statistics from every vocab shard's local ones (``local`` itself without axes).
+
+    ``local_vocab``: each shard's vocab size, which places a local argmax in the global vocabulary.
+    """
     if not axes:
         return local
     # The max only stabilises the exponentials; its value cancels, so it carries no gradient.
@@ -52,4 +57,10 @@ def combine_vocab_shards(local: RowStats, axes: tuple[str, ...]) -> RowStats:
     expected = None
     if local.expected is not None:
         expected = jax.lax.psum(jnp.exp(local.lse - lse) * local.expected, axes)
-    return RowStats(lse, label, total, expected)
+    top = index = None
+    if local.max is not None and local.argmax is not None:
+        top = jax.lax.pmax(local.max, axes)
+        mine = local.argmax.astype(jnp.int32) + vocab_offset(axes, local_vocab)
+        never = jnp.iinfo(jnp.int32).max
+        index = jax.lax.pmin(jnp.where(local.max == top, mine, never), axes)
+    return RowStats(lse, label, total, expected, top, index)
