@@ -77,15 +77,21 @@ def tile_stats(
     masked = z if valid is None else jnp.where(valid, z, -jnp.inf)
     peak = jnp.max(masked, axis=1)
     exps = jnp.exp(masked - peak[:, None])
-    sumexp = jnp.sum(exps, axis=1)
     label = label_logit(z, labels, start, first_new)
     owned_z = z if valid is None else jnp.where(valid, z, 0.0)  # columns the previous tile owns count for nothing
     total = jnp.sum(owned_z, axis=1) if with_sum else None
-    weighted = jnp.sum(exps * owned_z, axis=1) if with_expected else None
+    if with_expected:  # one two-output reduction: exps is read once, never written out as a tile
+        sumexp, weighted = jax.lax.reduce((exps, exps * owned_z), (jnp.float32(0), jnp.float32(0)), _add_pairs, (1,))
+    else:
+        sumexp, weighted = jnp.sum(exps, axis=1), None
     argmax = None
     if with_argmax:  # first column equal to the peak: the lowest index, as jnp.argmax
         argmax = jnp.argmax(masked, axis=1).astype(jnp.int32) + jnp.asarray(start, jnp.int32)
     return TileStats(peak, sumexp, label, total, weighted, argmax)
+
+
+def _add_pairs(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    return a[0] + b[0], a[1] + b[1]
 
 
 def label_logit(
