@@ -5,7 +5,8 @@ statistics (O(N) beyond the inputs); its backward pass recomputes the logits chu
 ``row_stats_and_grads``, used by ``ce_core`` when the loss is reduced to a scalar, forms ``dx`` and
 ``dw`` in the same pass as the statistics (6NHV) when the plan's gradient order is tokens outer.
 Every entry point takes its gradient order from the plan (:mod:`ce_xla.tiling`), so none holds a
-float32 ``[H, V]`` accumulator for a bf16 ``w``.
+float32 ``[H, V]`` accumulator for a bf16 ``w``. Contract version 3: a ``[V, H]`` head
+(:mod:`ce_xla.head`), ``max``/``argmax`` and a per-token ``row_scale``, on every path.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from types import MappingProxyType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ce_core import Backend, BlockSizes, CotangentFn, PassTiles, Problem, RowStats, StatsSpec, TileReport
-from ce_xla import backward, fused, ops
+from ce_xla import backward, fused, head, ops
 from ce_xla.target import target_platform
 from ce_xla.tiling import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks
 
@@ -31,7 +33,7 @@ class XlaBackend(Backend):
     """
 
     name = "xla"
-    contract_version = 2
+    contract_version = 3
     #: The default wherever XLA runs, after a platform's own kernels.
     default_priority = MappingProxyType({"*": 10})
 
@@ -79,11 +81,12 @@ class XlaBackend(Backend):
         )
 
     def _plan_for(self, x: jax.Array, w: jax.Array, spec: StatsSpec) -> ChunkPlan:
-        return self.plan(x.shape[0], w.shape[0], w.shape[1], spec, x.dtype, w.dtype)
+        h, v = head.dims(w, spec.w_layout)
+        return self.plan(x.shape[0], h, v, spec, x.dtype, w.dtype)
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
                   row_scale: jax.Array | None = None) -> RowStats:
-        return ops.row_stats(x, w, labels, spec, self._plan_for(x, w, spec))
+        return ops.row_stats(x, w, labels, _scale(spec, row_scale), spec, self._plan_for(x, w, spec))
 
     def row_stats_vjp(
         self,
@@ -96,7 +99,8 @@ class XlaBackend(Backend):
         *,
         row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, self._plan_for(x, w, spec))
+        return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, self._plan_for(x, w, spec),
+                                        _scale(spec, row_scale))
 
     def row_stats_and_grads(
         self,
@@ -109,11 +113,21 @@ class XlaBackend(Backend):
         *,
         row_scale: jax.Array | None = None,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
-        return fused.row_stats_and_grads(x, w, labels, spec, self._plan_for(x, w, spec), cotangent_fn, token_params)
+        return fused.row_stats_and_grads(x, w, labels, spec, self._plan_for(x, w, spec), cotangent_fn, token_params,
+                                         _scale(spec, row_scale))
 
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "
                 f"gradient_order={self.gradient_order!r})")
+
+
+def _scale(spec: StatsSpec, row_scale: jax.Array | None) -> jax.Array | None:
+    """The float32 ``[N]`` row scale when ``spec`` asks for one (required then), else ``None``."""
+    if not spec.with_row_scale:
+        return None
+    if row_scale is None:
+        raise ValueError("xla backend: StatsSpec.with_row_scale needs the row_scale argument")
+    return jax.lax.stop_gradient(jnp.asarray(row_scale, jnp.float32))
 
 
 def make_backend() -> XlaBackend:

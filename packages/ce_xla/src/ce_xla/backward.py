@@ -1,5 +1,7 @@
 """Gradient pass: ``dx = delta @ w.T`` and ``dw = x.T @ delta`` from the logit cotangent ``delta``.
 
+(For a ``[V, H]`` head, ``dx = delta @ w`` and ``dw = delta.T @ x``: :mod:`ce_xla.head`.)
+
 ``delta`` exists one ``[rows, grad_chunk]`` tile at a time. :func:`row_stats_grads` is the VJP of
 :func:`ce_xla.forward.row_stats`, which recomputes the logits from ``x`` and ``w`` (8NHV in all),
 in the plan's gradient order: here with token chunks outer (a float32 ``dw`` accumulator), or in
@@ -14,9 +16,8 @@ import jax.numpy as jnp
 
 from ce_core import RowStats, StatsSpec
 from ce_core.extend import vary_like
-from ce_xla import tile_stats, vocab_outer
+from ce_xla import head, tile_stats, vocab_outer
 from ce_xla.loops import chunk_start, loop
-from ce_xla.tile_stats import CONTRACT_COLS, CONTRACT_ROWS
 from ce_xla.tiling import ChunkPlan
 
 
@@ -32,6 +33,7 @@ def chunk_grads(
     dw: jax.Array,
     rows_owned: jax.Array | None,
     z: jax.Array | None = None,
+    scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dx_chunk, dw)``: this chunk's float32 ``dx`` rows, and ``dw`` plus this chunk's share.
 
@@ -40,9 +42,10 @@ def chunk_grads(
 
     ``z`` is the chunk's float32 logits when the forward pass kept them (full-row mode); otherwise
     each tile's logits are recomputed. ``rows_owned`` masks rows an overlapping last token chunk
-    shares with the previous chunk, which must not add to ``dw`` a second time.
+    shares with the previous chunk, which must not add to ``dw`` a second time. ``scale`` is the
+    chunk's row scale (``None`` unless ``spec.with_row_scale``).
     """
-    cap, width = spec.logit_soft_cap, plan.grad_chunk
+    cap, width, layout = spec.logit_soft_cap, plan.grad_chunk, spec.w_layout
     product_dtype = tile_stats.grad_dtype(dtype)
     x_for_dw = x_chunk if rows_owned is None else jnp.where(rows_owned[:, None], x_chunk, 0)
     x_for_dw = x_for_dw.astype(product_dtype)
@@ -51,23 +54,22 @@ def chunk_grads(
         dx, dw = carry
         start, first_new = chunk_start(j, width, plan.v)
         cols = tile_stats.column_ids(start, width)
-        w_tile = w if width == plan.v else jax.lax.dynamic_slice_in_dim(w, start, width, axis=1)
+        w_tile = head.vocab_slice(w, start, width, layout)
         if z is None:
-            z_tile = tile_stats.logits(x_chunk, w_tile, cap, dtype)
+            z_tile = tile_stats.logits(x_chunk, w_tile, cap, dtype, layout, scale)
         else:
             z_tile = z if width == plan.v else jax.lax.dynamic_slice_in_dim(z, start, width, axis=1)
         owned = tile_stats.column_mask(cols, first_new)
-        delta = tile_stats.logit_cotangent(z_tile, stats, cotangent, labels, cols, owned, cap)
+        delta = tile_stats.logit_cotangent(z_tile, stats, cotangent, labels, cols, owned, cap, scale)
         delta = delta.astype(product_dtype)
-        dx = dx + jax.lax.dot_general(delta, w_tile.astype(product_dtype), CONTRACT_COLS,
-                                      preferred_element_type=jnp.float32)
-        dw_tile = jax.lax.dot_general(x_for_dw, delta, CONTRACT_ROWS, preferred_element_type=jnp.float32)
+        dx = dx + head.dx_product(delta, w_tile.astype(product_dtype), layout)
+        dw_tile = head.dw_product(x_for_dw, delta, layout)
         if width == plan.v:
             return dx, dw + dw_tile
-        dw_tile = jax.lax.dynamic_slice_in_dim(dw, start, width, axis=1) + dw_tile
-        return dx, jax.lax.dynamic_update_slice_in_dim(dw, dw_tile, start, axis=1)
+        dw_tile = head.vocab_slice(dw, start, width, layout) + dw_tile
+        return dx, head.update_slice(dw, dw_tile, start, layout)
 
-    dx = vary_like(jnp.zeros((x_chunk.shape[0], plan.h), jnp.float32), x_chunk, w, dw)
+    dx = vary_like(jnp.zeros((x_chunk.shape[0], plan.h), jnp.float32), x_chunk, w, dw, scale)
     return loop(plan.grad_chunks, tile, (dx, dw))
 
 
@@ -86,10 +88,12 @@ def row_stats_grads(
     cotangent: RowStats,
     spec: StatsSpec,
     plan: ChunkPlan,
+    row_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``dx`` (dtype of ``x``) and ``dw`` (dtype of ``w``) for cotangents of the row statistics ``stats``."""
+    """``dx`` (dtype of ``x``) and ``dw`` (dtype and layout of ``w``) for cotangents of the row statistics."""
+    stats, cotangent = tile_stats.differentiable(stats), tile_stats.differentiable(cotangent)
     if plan.gradient_order == "vocab_outer":
-        return vocab_outer.row_stats_grads(x, w, labels, stats, cotangent, spec, plan)
+        return vocab_outer.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale)
     n, rows = x.shape[0], plan.token_chunk
     dtype = jnp.promote_types(x.dtype, w.dtype)
 
@@ -99,9 +103,11 @@ def row_stats_grads(
         piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
         dx_chunk, dw = chunk_grads(piece(x), w, piece(labels), jax.tree.map(piece, stats),
                                    jax.tree.map(piece, cotangent), spec, plan, dtype, dw,
-                                   owned_rows(start, first_new, rows))
+                                   owned_rows(start, first_new, rows), None,
+                                   None if row_scale is None else piece(row_scale))
         return jax.lax.dynamic_update_slice_in_dim(dx, dx_chunk.astype(x.dtype), start, 0), dw
 
-    initial = vary_like((jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32)), x, w, labels, stats, cotangent)
+    initial = vary_like((jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32)), x, w, labels, stats, cotangent,
+                        row_scale)
     dx, dw = loop(plan.token_chunks, chunk, initial)
     return dx, dw.astype(w.dtype)

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 
 from ce_core import CotangentFn, RowStats, StatsSpec
 from ce_core.extend import vary_like
-from ce_xla import vocab_outer
+from ce_xla import tile_stats, vocab_outer
 from ce_xla.backward import chunk_grads, owned_rows
-from ce_xla.forward import chunk_row_stats, row_stats
+from ce_xla.forward import chunk_row_stats, empty_row_stats, row_stats
 from ce_xla.loops import chunk_start, loop
 from ce_xla.tiling import ChunkPlan
 
@@ -37,11 +37,14 @@ def row_stats_and_grads(
     plan: ChunkPlan,
     cotangent_fn: CotangentFn,
     token_params: Any,
+    row_scale: jax.Array | None = None,
 ) -> tuple[RowStats, jax.Array, jax.Array]:
-    """Statistics, ``dx`` (dtype of ``x``) and ``dw`` (dtype of ``w``) for ``cotangent_fn``'s cotangents."""
+    """Statistics (``max``/``argmax`` too when asked), ``dx`` (dtype of ``x``) and ``dw`` (dtype and
+    layout of ``w``) for ``cotangent_fn``'s cotangents."""
     if not plan.fused:
-        stats = row_stats(x, w, labels, spec, plan)
-        dx, dw = vocab_outer.row_stats_grads(x, w, labels, stats, cotangent_fn(stats, token_params), spec, plan)
+        stats = row_stats(x, w, labels, spec, plan, row_scale)
+        dx, dw = vocab_outer.row_stats_grads(x, w, labels, stats, cotangent_fn(stats, token_params), spec, plan,
+                                             row_scale)
         return stats, dx, dw
     n, rows = x.shape[0], plan.token_chunk
     dtype = jnp.promote_types(x.dtype, w.dtype)
@@ -51,16 +54,14 @@ def row_stats_and_grads(
         start, first_new = chunk_start(i, rows, n)
         piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
         x_chunk, labels_chunk = piece(x), piece(labels)
-        stats_chunk, z = chunk_row_stats(x_chunk, w, labels_chunk, spec, plan, dtype)
-        cotangent = cotangent_fn(stats_chunk, jax.tree.map(piece, token_params))
-        dx_chunk, dw = chunk_grads(x_chunk, w, labels_chunk, stats_chunk, cotangent, spec, plan, dtype, dw,
-                                   owned_rows(start, first_new, rows), z)
+        scale = None if row_scale is None else piece(row_scale)
+        stats_chunk, z = chunk_row_stats(x_chunk, w, labels_chunk, spec, plan, dtype, scale)
+        cotangent = tile_stats.differentiable(cotangent_fn(stats_chunk, jax.tree.map(piece, token_params)))
+        dx_chunk, dw = chunk_grads(x_chunk, w, labels_chunk, tile_stats.differentiable(stats_chunk), cotangent,
+                                   spec, plan, dtype, dw, owned_rows(start, first_new, rows), z, scale)
         put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0)  # noqa: E731
         return jax.tree.map(put, stats, stats_chunk), put(dx, dx_chunk.astype(x.dtype)), dw
 
-    zeros = jnp.zeros((n,), jnp.float32)
-    initial = (RowStats(zeros, zeros, zeros if spec.with_sum else None, zeros if spec.with_expected else None),
-               jnp.zeros(x.shape, x.dtype),
-               jnp.zeros(w.shape, jnp.float32))
-    stats, dx, dw = loop(plan.token_chunks, chunk, vary_like(initial, x, w, labels, token_params))
+    initial = (empty_row_stats(n, spec), jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32))
+    stats, dx, dw = loop(plan.token_chunks, chunk, vary_like(initial, x, w, labels, token_params, row_scale))
     return stats, dx, dw.astype(w.dtype)

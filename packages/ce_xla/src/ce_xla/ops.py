@@ -16,20 +16,22 @@ from ce_xla import backward, forward
 from ce_xla.tiling import ChunkPlan
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, plan: ChunkPlan) -> RowStats:
-    return forward.row_stats(x, w, labels, spec, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, row_scale: jax.Array | None, spec: StatsSpec,
+              plan: ChunkPlan) -> RowStats:
+    """Row statistics of ``s cap(x . w)``; ``row_scale`` (``None`` unless asked) is not differentiated."""
+    return forward.row_stats(x, w, labels, spec, plan, row_scale)
 
 
-def _row_stats_fwd(x, w, labels, spec, plan):
-    stats = forward.row_stats(x, w, labels, spec, plan)
-    return stats, (x, w, labels, stats)
+def _row_stats_fwd(x, w, labels, row_scale, spec, plan):
+    stats = forward.row_stats(x, w, labels, spec, plan, row_scale)
+    return stats, (x, w, labels, row_scale, stats)
 
 
 def _row_stats_bwd(spec, plan, residuals, cotangent):
-    x, w, labels, stats = residuals
-    dx, dw = backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan)
-    return dx, dw, None
+    x, w, labels, row_scale, stats = residuals
+    dx, dw = backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale)
+    return dx, dw, None, None
 
 
 row_stats.defvjp(_row_stats_fwd, _row_stats_bwd)

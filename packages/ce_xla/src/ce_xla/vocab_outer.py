@@ -1,10 +1,11 @@
 """Gradients with the vocabulary as the outer loop: no ``[H, V]`` float32 accumulator.
 
-For each slice of ``grad_chunk`` vocab columns, every token chunk is streamed: its logits tile is
+For each slice of ``grad_chunk`` vocab entries, every token chunk is streamed: its logits tile is
 recomputed, its ``delta`` formed from the known statistics, ``dx`` rows gain ``delta @ w_slice.T`` in a
 float32 ``[N, H]`` accumulator, and the slice's float32 ``dw`` gains ``x_chunk.T @ delta``. The
-slice is then written once, in ``w``'s dtype. Temporaries: ``4NH`` bytes of ``dx`` (none when ``x``
-is float32: the accumulator is the gradient) plus one ``dw`` slice and one tile, whatever ``V``.
+slice is then written once, in ``w``'s dtype and layout (``[H, c]``, or ``[c, H]`` for a ``[V, H]``
+head: :mod:`ce_xla.head`). Temporaries: ``4NH`` bytes of ``dx`` (none when ``x`` is float32: the
+accumulator is the gradient) plus one ``dw`` slice and one tile, whatever ``V``.
 Flops: 6NHV here, after a 2NHV statistics pass.
 
 The overlapping last token chunk masks ``delta`` on rows an earlier chunk owns (they would add to
@@ -19,9 +20,8 @@ import jax.numpy as jnp
 
 from ce_core import RowStats, StatsSpec
 from ce_core.extend import vary_like
-from ce_xla import tile_stats
+from ce_xla import head, tile_stats
 from ce_xla.loops import chunk_start, loop
-from ce_xla.tile_stats import CONTRACT_COLS, CONTRACT_ROWS
 from ce_xla.tiling import ChunkPlan
 
 
@@ -33,9 +33,12 @@ def row_stats_grads(
     cotangent: RowStats,
     spec: StatsSpec,
     plan: ChunkPlan,
+    row_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``dx`` (dtype of ``x``) and ``dw`` (dtype of ``w``) for cotangents of the row statistics."""
-    n, v, h = x.shape[0], w.shape[1], w.shape[0]
+    """``dx`` (dtype of ``x``) and ``dw`` (dtype and layout of ``w``) for cotangents of the row statistics."""
+    stats, cotangent = tile_stats.differentiable(stats), tile_stats.differentiable(cotangent)
+    layout = spec.w_layout
+    n, (h, v) = x.shape[0], head.dims(w, layout)
     rows, width = plan.grad_token_chunk, plan.grad_chunk
     dtype = jnp.promote_types(x.dtype, w.dtype)
     product_dtype = tile_stats.grad_dtype(dtype)
@@ -46,7 +49,7 @@ def row_stats_grads(
         start, first_new = chunk_start(j, width, v)
         cols = tile_stats.column_ids(start, width)
         cols_owned = tile_stats.column_mask(cols, first_new)
-        w_slice = w if width == v else jax.lax.dynamic_slice_in_dim(w, start, width, axis=1)
+        w_slice = head.vocab_slice(w, start, width, layout)
         w_product = w_slice.astype(product_dtype)
 
         def token_chunk(i, inner: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -54,26 +57,27 @@ def row_stats_grads(
             row_start, first_row = chunk_start(i, rows, n)
             piece = lambda a: jax.lax.dynamic_slice_in_dim(a, row_start, rows)  # noqa: E731
             x_chunk = piece(x)
-            z = tile_stats.logits(x_chunk, w_slice, cap, dtype)
+            scale = None if row_scale is None else piece(row_scale)
+            z = tile_stats.logits(x_chunk, w_slice, cap, dtype, layout, scale)
             owned = _owned(cols_owned, row_start, first_row, rows)
             delta = tile_stats.logit_cotangent(z, jax.tree.map(piece, stats), jax.tree.map(piece, cotangent),
-                                          piece(labels), cols, owned, cap).astype(product_dtype)
-            dx_rows = piece(dx) + jax.lax.dot_general(delta, w_product, CONTRACT_COLS,
-                                                      preferred_element_type=jnp.float32)
-            dw_slice = dw_slice + jax.lax.dot_general(x_chunk.astype(product_dtype), delta, CONTRACT_ROWS,
-                                                      preferred_element_type=jnp.float32)
+                                               piece(labels), cols, owned, cap, scale).astype(product_dtype)
+            dx_rows = piece(dx) + head.dx_product(delta, w_product, layout)
+            dw_slice = dw_slice + head.dw_product(x_chunk.astype(product_dtype), delta, layout)
             return jax.lax.dynamic_update_slice_in_dim(dx, dx_rows, row_start, 0), dw_slice
 
-        dw_slice = vary_like(jnp.zeros((h, width), jnp.float32), x, w_slice, dx)
+        dw_slice = vary_like(head.zeros_tile(h, width, layout), x, w_slice, dx, row_scale)
         dx, dw_slice = loop(plan.grad_token_chunks, token_chunk, (dx, dw_slice))
         dw_slice = dw_slice.astype(w.dtype)
         if width == v:
             return dx, dw_slice
         if cols_owned is not None:  # columns the previous slice owns keep its values
-            dw_slice = jnp.where(cols_owned, dw_slice, jax.lax.dynamic_slice_in_dim(dw, start, width, axis=1))
-        return dx, jax.lax.dynamic_update_slice_in_dim(dw, dw_slice, start, axis=1)
+            dw_slice = jnp.where(head.column_mask_for(cols_owned, layout), dw_slice,
+                                 head.vocab_slice(dw, start, width, layout))
+        return dx, head.update_slice(dw, dw_slice, start, layout)
 
-    initial = vary_like((jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, w.dtype)), x, w, labels, stats, cotangent)
+    initial = vary_like((jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, w.dtype)), x, w, labels, stats, cotangent,
+                        row_scale)
     dx, dw = loop(plan.grad_chunks, vocab_slice, initial)
     return dx.astype(x.dtype), dw
 
