@@ -183,7 +183,12 @@ def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, plac
     def weighted_sum(stats: RowStats, coefficients: jax.Array) -> jax.Array:
         return jnp.sum(coefficients * token_losses(stats, config))
 
-    cotangent_fn = jax.grad(weighted_sum)
+    weighted_sum_grad = jax.grad(weighted_sum)
+
+    def cotangent_fn(stats: RowStats, coefficients: jax.Array) -> RowStats:
+        # max and argmax carry no cotangent (and an int32 argmax cannot be differentiated), so a
+        # backend may hand over its statistics whole.
+        return weighted_sum_grad(stats._replace(max=None, argmax=None), coefficients)
 
     @jax.custom_vjp
     def reduced(x, w, labels, coefficients, *scale):
