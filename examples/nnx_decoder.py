@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -102,20 +101,16 @@ class Decoder(nnx.Module):
 # ----------------------------------------------------------------------------------------------
 # The head: fused (ce_core) and materialised (the reference).
 
-HeadLoss = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]]
+HeadLoss = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def tied_head_loss(hidden: jax.Array, labels: jax.Array, table: jax.Array, **options) -> tuple[jax.Array, None]:
+def tied_head_loss(hidden: jax.Array, labels: jax.Array, table: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
     """Mean next-token cross-entropy of ``hidden [B, T, H]`` under the tied head ``table [V, H]``, fused.
 
-    Returns ``(loss, predicted)``; ``predicted`` (each token's argmax, for the accuracy) is ``None``
-    until ``return_argmax`` lands.
+    Returns ``(loss, predicted)``: ``predicted`` is each token's argmax (``-1`` where ignored), from the
+    same pass, for the accuracy. ``w_layout="vh"`` reads the table as it is stored: no transposed copy.
     """
-    # FUSED HEAD: the one line to change. Once w_layout and return_argmax land in ce_core it becomes
-    #   loss, predicted = linear_cross_entropy(hidden, labels, table, w_layout="vh", return_argmax=True, **options)
-    # (no transposed copy of the table, and the accuracy without logits).
-    loss, predicted = linear_cross_entropy(hidden, labels, table.T, **options), None
-    return loss, predicted
+    return linear_cross_entropy(hidden, labels, table, w_layout="vh", return_argmax=True, **options)
 
 
 def materialised_head_loss(hidden: jax.Array, labels: jax.Array, table: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -127,10 +122,8 @@ def materialised_head_loss(hidden: jax.Array, labels: jax.Array, table: jax.Arra
     return loss, jnp.argmax(logits, axis=-1)
 
 
-def token_accuracy(predicted: jax.Array | None, labels: jax.Array) -> jax.Array:
-    """Share of counted tokens whose argmax is the label; NaN while the fused head gives no argmax."""
-    if predicted is None:
-        return jnp.float32(jnp.nan)
+def token_accuracy(predicted: jax.Array, labels: jax.Array) -> jax.Array:
+    """Share of counted tokens whose argmax is the label."""
     counted = labels != IGNORE
     return jnp.sum((predicted == labels) & counted) / jnp.maximum(jnp.sum(counted), 1)
 
@@ -218,35 +211,17 @@ def sequence_log_probs(hidden: jax.Array, tokens: jax.Array, table: jax.Array, t
                        **options) -> tuple[jax.Array, jax.Array]:
     """Per-token ``(logp, entropy)`` ``[B, T]`` of ``tokens`` (``IGNORE`` where not sampled: 0 for both), fused.
 
-    Sequence ``b`` was sampled at ``temperatures[b]`` (Python floats, static under ``jit``), or all
-    at one temperature. ``options`` go to ``linear_log_probs``.
-    """
-    # FUSED HEAD: the one line to change. Once w_layout and per-row temperatures land in ce_core it becomes
-    #   return linear_log_probs(hidden, tokens, table, w_layout="vh", temperature=jnp.asarray(temperatures)[:, None],
-    #                           return_entropy=True, **options)
-    # and per_temperature below can go.
-    return per_temperature(hidden, tokens, table.T, temperatures, **options)
-
-
-def per_temperature(hidden: jax.Array, tokens: jax.Array, head: jax.Array, temperatures: float | Sequence[float],
-                    **options) -> tuple[jax.Array, jax.Array]:
-    """``linear_log_probs(..., return_entropy=True)`` with one temperature per row of ``hidden [B, T, H]``.
-
-    ``linear_log_probs`` takes one (Python) temperature per call today, so the rows of each distinct
-    temperature are gathered and run together: one fused call per distinct temperature.
+    Sequence ``b`` was sampled at ``temperatures[b]`` (passed as a per-sequence ``[B, 1]``
+    temperature: one fused call for the whole batch), or all at one temperature. ``options`` go to
+    ``linear_log_probs``.
     """
     if isinstance(temperatures, int | float):
-        return linear_log_probs(hidden, tokens, head, temperature=float(temperatures), return_entropy=True,
-                                **options)
-    per_row = np.asarray(temperatures, np.float64)
-    logp = jnp.zeros(tokens.shape, jnp.float32)
-    entropy = jnp.zeros(tokens.shape, jnp.float32)
-    for temperature in np.unique(per_row):
-        rows = np.flatnonzero(per_row == temperature)
-        row_logp, row_entropy = linear_log_probs(hidden[rows], tokens[rows], head, temperature=float(temperature),
-                                                 return_entropy=True, **options)
-        logp, entropy = logp.at[rows].set(row_logp), entropy.at[rows].set(row_entropy)
-    return logp, entropy
+        temperature: float | jax.Array = float(temperatures)
+    else:
+        temperature = jnp.asarray(temperatures, jnp.float32)[:, None]
+    return linear_log_probs(hidden, tokens, table, w_layout="vh", temperature=temperature, return_entropy=True,
+                            **options)
+
 
 
 def materialised_log_probs(hidden: jax.Array, tokens: jax.Array, table: jax.Array,

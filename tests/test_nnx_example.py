@@ -42,7 +42,9 @@ def test_fused_training_matches_materialised_logits_step_by_step(example, refere
     np.testing.assert_allclose([loss for loss, _ in fused], [loss for loss, _ in reference], rtol=1e-4)
     assert reference[-1][0] < reference[0][0]  # it learns
     assert all(0.0 <= accuracy <= 1.0 for _, accuracy in reference)
-    assert all(np.isnan(accuracy) for _, accuracy in fused)  # until return_argmax lands
+    # The fused argmax (return_argmax) gives the accuracy the materialised logits give (a near-tie
+    # may flip a token).
+    np.testing.assert_allclose([a for _, a in fused], [a for _, a in reference], atol=0.03)
     # The tied table, trained as input embedding and head at once, ends up alike in both runs.
     table, expected_table = fused_params["embed"]["embedding"][...], reference_params["embed"]["embedding"][...]
     assert max_rel_error(table, expected_table) < 1e-4
