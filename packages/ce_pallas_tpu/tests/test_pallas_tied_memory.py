@@ -86,11 +86,16 @@ def _value_and_grad(generation: str, layout: str, n: int, h: int, v: int) -> tup
     return _compile(generation, build)
 
 
+#: An HLO instruction that transposes or copies, with its result shape (the op names in metadata,
+#: such as ``transpose(jvp(...))``, are not instructions).
+_MOVING = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\([^=]*?\)|\S+)\s+(?:transpose|copy|copy-start)\(")
+
+
 def head_copies(hlo: str, h: int, v: int) -> list[str]:
     """Instructions of the compiled HLO that transpose or copy a ``[V, H]``-sized array."""
     sized = re.compile(rf"\[({v},{h}|{h},{v})\]")
-    moving = re.compile(r"\b(transpose|copy|copy-start)\(")
-    return [line.strip()[:200] for line in hlo.splitlines() if moving.search(line) and sized.search(line)]
+    return [line.strip()[:200] for line in hlo.splitlines()
+            if (match := _MOVING.match(line)) and sized.search(match["shape"])]
 
 
 def _assert_tied_head_costs_the_same(compile_layout: Callable[[str], tuple[CompileResult, str]],
