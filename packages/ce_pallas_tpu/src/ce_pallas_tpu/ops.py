@@ -157,8 +157,11 @@ def vocab_size(w: jax.Array, spec: StatsSpec) -> int:
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
               row_scale: jax.Array | None = None) -> RowStats:
     """lse, label logit and (optionally) logit sum and expected logit of ``cap(x @ w)`` from the kernels."""
-    if row_scale is not None:  # placeholder until the forward kernel takes the row scale (feat-pfwd)
-        raise NotImplementedError("pallas_tpu: the forward kernel does not take a row scale yet")
+    # Placeholder until the forward kernel takes the version-3 features (feat-pfwd): refuse, never
+    # read a [V, H] head as [H, V].
+    if row_scale is not None or spec.with_row_scale or spec.w_layout != "hv" or spec.with_argmax:
+        raise NotImplementedError("pallas_tpu: the forward kernel does not take w_layout='vh', argmax or a "
+                                  "row scale yet")
     n, h = x.shape
     plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
     return _row_stats(x, w, labels, plan)
