@@ -197,9 +197,15 @@ def _logit_cotangent(x_ref, w_ref, rows: _Rows, i, block, cfg: BackwardConfig) -
     if cfg.n % cfg.block_b:
         row_ok = (i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, z.shape, 0)) < cfg.n
         valid = row_ok if valid is None else valid & row_ok
-    if valid is not None:
-        delta = jnp.where(valid, delta, 0.0)
-    return delta.astype(common.mxu_dtype(cfg.precision))
+    if valid is None:
+        return delta.astype(common.mxu_dtype(cfg.precision))
+    if cfg.w_layout == "vh":
+        # Masked after the cast: the same values, and libtpu's static profiler (the schedule tooling)
+        # aborts on a masked float32 delta packed for the NN dx product (a type check of its
+        # vmatmul operand); the normal compile accepts either.
+        delta = delta.astype(common.mxu_dtype(cfg.precision))
+        return jnp.where(valid, delta, jnp.zeros((), delta.dtype))
+    return jnp.where(valid, delta, 0.0).astype(common.mxu_dtype(cfg.precision))
 
 
 def _dw_step(x_ref, d: jax.Array, dw_acc, dw_ref, i, cfg: BackwardConfig) -> None:
