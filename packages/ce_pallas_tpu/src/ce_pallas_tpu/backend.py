@@ -18,7 +18,7 @@ class PallasTpuBackend(Backend):
     """Streaming forward and core-grid backward Pallas TPU kernels (interpretable on CPU)."""
 
     name = "pallas_tpu"
-    contract_version = 2
+    contract_version = 3
     #: First on TPU.
     default_priority = MappingProxyType({"tpu": 20})
     #: Pallas cannot batch the kernels; under ``vmap`` ce_core folds the batch into the tokens instead.
@@ -51,7 +51,7 @@ class PallasTpuBackend(Backend):
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
                   row_scale: jax.Array | None = None) -> RowStats:
-        return ops.row_stats(x, w, labels, spec)
+        return ops.row_stats(x, w, labels, spec, row_scale=row_scale)
 
     def row_stats_vjp(
         self,
@@ -64,7 +64,7 @@ class PallasTpuBackend(Backend):
         *,
         row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        return ops.row_stats_vjp(x, w, labels, stats, cotangent, spec)
+        return ops.row_stats_vjp(x, w, labels, stats, cotangent, spec, row_scale=row_scale)
 
 
 def make_backend() -> PallasTpuBackend:

@@ -5,16 +5,21 @@ With cotangents ``(g_lse, g_label, g_sum, g_expected)`` of the statistics, the l
     delta = (p * (g_lse + g_expected * (1 + z - expected)) + g_label * [col == label] + g_sum) * cap'(z)
 
 with ``p = softmax(z)`` and ``expected = sum_j p_j z_j`` (its terms only when the expected logit is
-asked for).
+asked for). With a row scale (``cfg.with_row_scale``) the logits are ``z = s_i cap(u)`` and the
+cotangent above is multiplied by ``s_i cap'(u)`` instead of ``cap'(u)``.
 
-and ``dx = delta @ w.T``, ``dw = x.T @ delta``. Grid ``(cores, vocab blocks per core, token
-blocks)``, token blocks innermost:
+``dx = delta @ w.T``, ``dw = x.T @ delta`` for ``w [H, V]`` (``cfg.w_layout == "hv"``, blocks
+``[Hp, block_v]``); for ``w [V, H]`` (``"vh"``, blocks ``[block_v, Hp]``) the logits are the NT product
+``x @ w_blk.T``, ``dx += delta @ w_blk`` and ``dw_blk += delta.T @ x`` (``[block_v, Hp]``, ``dw`` in
+``w``'s layout): every product contracts in place, and no ``[V, H]`` array is transposed or copied.
+
+Grid ``(cores, vocab blocks per core, token blocks)``, token blocks innermost:
 
 - leading core axis (``parallel``: Mosaic spreads it over the TensorCores of the device the call is
   compiled for, and loops over it on a one-core device): each core owns a contiguous range of vocab
   blocks, so each ``dw`` column block belongs to exactly one core and no per-core copy of ``dw`` exists;
-- for one vocab block the ``[Hp, block_v]`` ``dw`` tile is accumulated in a float32 VMEM scratch over all
-  token blocks and written to HBM once, in the dtype of ``w``;
+- for one vocab block the ``[Hp, block_v]`` (``"vh"``: ``[block_v, Hp]``) ``dw`` tile is accumulated
+  in a float32 VMEM scratch over all token blocks and written to HBM once, in the dtype of ``w``;
 - ``dx`` needs every vocab block, so each core keeps a float32 partial ``[Np, Hp]`` in HBM: the
   first vocab block of a core writes it, later ones read-add-write it with manual DMAs (the read
   is issued before the tile's matmuls and waited after them; the write of one token block is
@@ -22,7 +27,7 @@ blocks)``, token blocks innermost:
   temporaries are ``cores * 4 * N * H`` bytes, no float32 ``dw`` at all.
 
 Ragged edges are masked in the kernel: garbage rows of ``x`` in the last token block, garbage
-columns of ``w`` in the last vocab block and garbage past ``H`` in both (blocks span ``Hp``, ``H``
+vocab entries of ``w`` in the last vocab block and garbage past ``H`` in both (blocks span ``Hp``, ``H``
 rounded up to 128) are zeroed in their VMEM buffers before they enter a product (``0 * NaN`` would
 poison ``dx``/``dw``), and ``delta`` is zeroed outside ``[0, N) x [0, V)``.
 
@@ -45,6 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ce_core.extend import vary, varying_axes_of
 from ce_pallas_tpu import common
+from ce_pallas_tpu.layout import LANES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +67,11 @@ class BackwardConfig(common.KernelConfig):
 
 
 class _Rows(NamedTuple):
-    """The kernel's per-row ``[block_b, 1]`` inputs: labels, lse, the cotangents of the statistics and
-    (for the entropy) the rows' expected logit; absent ones None."""
+    """The kernel's per-row ``[block_b, 1]`` inputs: labels, the row scale, lse, the cotangents of the
+    statistics and (for the entropy) the rows' expected logit; absent ones None."""
 
     y: Any
+    scale: Any | None
     lse: Any
     g_lse: Any
     g_label: Any
@@ -83,12 +90,14 @@ class _DxRows(NamedTuple):
     previous_write: Any  # the other slot's write, one token block earlier
 
 
-def _backward_kernel(x_ref, w_ref, y_ref, lse_ref, g_lse_ref, g_label_ref, *rest, cfg: BackwardConfig):
+def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
     refs = list(rest)
+    scale_ref = refs.pop(0) if cfg.with_row_scale else None
+    lse_ref, g_lse_ref, g_label_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     g_sum_ref = refs.pop(0) if cfg.with_sum else None
     expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
     dw_ref, dxp_hbm, dw_acc, dx_buf, sems = refs
-    rows = _Rows(y_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
+    rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
 
     core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = core * cfg.nv_per_core + jj  # the global vocab block
@@ -145,21 +154,30 @@ def _mask_ragged_operands(x_ref, w_ref, i, block, cfg: BackwardConfig) -> None:
             row = i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, x_ref.shape, 0)
             x_ref[...] = jnp.where(row < cfg.n, x_ref[...], jnp.zeros((), x_ref.dtype))
 
+    vh = cfg.w_layout == "vh"
     if cfg.hidden != cfg.hp:
-        common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
+        common.zero_hidden_tail(x_ref, None if vh else w_ref, cfg.hidden, cfg.hp)
+        if vh:  # the hidden tail is the last 128 columns of a [block_v, Hp] block
+            tail = pl.ds(cfg.hp - LANES, LANES)
+            cols = jax.lax.broadcasted_iota(jnp.int32, (w_ref.shape[0], LANES), 1)
+            valid = cfg.hidden - (cfg.hp - LANES)
+            w_ref[:, tail] = jnp.where(cols < valid, w_ref[:, tail], jnp.zeros((), w_ref.dtype))
 
     if cfg.v % cfg.block_v:
 
         @pl.when(block == cfg.nv - 1)
         def _():
-            col = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
-            w_ref[...] = jnp.where(col < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
+            entry = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 0 if vh else 1)
+            w_ref[...] = jnp.where(entry < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
 
 
 def _logit_cotangent(x_ref, w_ref, rows: _Rows, i, block, cfg: BackwardConfig) -> jax.Array:
     """``delta`` of the tile (see the module docs) from its recomputed logits, zero outside
     ``[0, N) x [0, V)``, in the products' dtype."""
-    z, t = common.soft_cap(common.matmul(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
+    product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
+    z, t = common.soft_cap(product(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
+    if rows.scale is not None:
+        z = rows.scale[...] * z
     col = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     p = jnp.exp(z - rows.lse[...])
     if rows.expected is None or rows.g_expected is None:
@@ -171,15 +189,23 @@ def _logit_cotangent(x_ref, w_ref, rows: _Rows, i, block, cfg: BackwardConfig) -
         delta = delta + rows.g_sum[...]
     if t is not None:
         delta = delta * (1.0 - t * t)
+    if rows.scale is not None:
+        delta = delta * rows.scale[...]
     valid = None
     if cfg.v % cfg.block_v:
         valid = col < cfg.v
     if cfg.n % cfg.block_b:
         row_ok = (i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, z.shape, 0)) < cfg.n
         valid = row_ok if valid is None else valid & row_ok
-    if valid is not None:
-        delta = jnp.where(valid, delta, 0.0)
-    return delta.astype(common.mxu_dtype(cfg.precision))
+    if valid is None:
+        return delta.astype(common.mxu_dtype(cfg.precision))
+    if cfg.w_layout == "vh":
+        # Masked after the cast: the same values, and libtpu's static profiler (the schedule tooling)
+        # aborts on a masked float32 delta packed for the NN dx product (a type check of its
+        # vmatmul operand); the normal compile accepts either.
+        delta = delta.astype(common.mxu_dtype(cfg.precision))
+        return jnp.where(valid, delta, jnp.zeros((), delta.dtype))
+    return jnp.where(valid, delta, 0.0).astype(common.mxu_dtype(cfg.precision))
 
 
 def _dw_step(x_ref, d: jax.Array, dw_acc, dw_ref, i, cfg: BackwardConfig) -> None:
@@ -191,7 +217,10 @@ def _dw_step(x_ref, d: jax.Array, dw_acc, dw_ref, i, cfg: BackwardConfig) -> Non
         dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
 
     for chunk in _hidden_chunks(cfg):
-        dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
+        if cfg.w_layout == "vh":
+            dw_acc[:, chunk] += common.matmul_tn(d, x_ref[:, chunk], cfg.precision)
+        else:
+            dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
 
     @pl.when(i == cfg.nb - 1)
     def _():
@@ -207,7 +236,10 @@ def _dx_step(w_ref, d: jax.Array, dx_buf, dx_rows: _DxRows, i, jj, cfg: Backward
         dx_rows.read.wait()
 
     for chunk in _hidden_chunks(cfg):
-        dx_buf[dx_rows.slot, :, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
+        if cfg.w_layout == "vh":
+            dx_buf[dx_rows.slot, :, chunk] += common.matmul(d, w_ref[:, chunk], cfg.precision)
+        else:
+            dx_buf[dx_rows.slot, :, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
 
     @pl.when(i > 0)
     def _():
@@ -231,23 +263,26 @@ def backward_call(
     expected: jax.Array | None,
     g_expected: jax.Array | None,
     cfg: BackwardConfig,
+    row_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(dx partials float32 [cores, Np, Hp], dw [H, V] in w's dtype)``.
+    """``(dx partials float32 [cores, Np, Hp], dw in w's layout and dtype)``.
 
-    ``x`` is ``[N, H]``, ``w`` is ``[H, V]``; ``labels`` (int32), ``lse``, ``expected`` and the
+    ``x`` is ``[N, H]``, ``w`` is ``[H, V]`` (``[V, H]`` for ``cfg.w_layout == "vh"``); ``labels``
+    (int32), ``row_scale`` (float32, only with ``cfg.with_row_scale``), ``lse``, ``expected`` and the
     cotangents are ``[N, 1]`` (``g_sum`` only with ``cfg.with_sum``, ``expected`` and ``g_expected``
     only with ``cfg.with_expected``).
     """
-    in_specs, operands = _inputs(x, w, labels, lse, g_lse, g_label, g_sum, expected, g_expected, cfg)
+    in_specs, operands = _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_expected,
+                                 cfg)
     axes = varying_axes_of(*operands)
     operands = [vary(value, axes) for value in operands]
     out_specs = [_w_block_spec(cfg), pl.BlockSpec(memory_space=pl.ANY)]  # dw, and the dx partials in HBM
     out_shape = [
-        common.out_type((cfg.hidden, cfg.v), w.dtype, axes),
+        common.out_type(w.shape, w.dtype, axes),
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
     scratch = [
-        pltpu.VMEM((cfg.hp, cfg.block_v), jnp.float32),  # dw accumulator
+        pltpu.VMEM(_w_block_shape(cfg), jnp.float32),  # dw accumulator
         pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
         pltpu.SemaphoreType.DMA((2,)),
     ]
@@ -281,30 +316,37 @@ def _w_block_spec(cfg: BackwardConfig) -> pl.BlockSpec:
     a block short). They change once per vocab block (every nb steps); see BackwardConfig.w_buffers.
     (Interpret mode ignores buffer counts.)"""
     nvc, nv = cfg.nv_per_core, cfg.nv
+    vh = cfg.w_layout == "vh"
 
     def w_block(c, j, i):
-        return (0, jnp.minimum(c * nvc + j, nv - 1))
+        block = jnp.minimum(c * nvc + j, nv - 1)
+        return (block, 0) if vh else (0, block)
 
-    return common.block_spec((cfg.hp, cfg.block_v), w_block, pl.Buffered(cfg.w_buffers))
+    return common.block_spec(_w_block_shape(cfg), w_block, pl.Buffered(cfg.w_buffers))
 
 
-def _inputs(x, w, labels, lse, g_lse, g_label, g_sum, expected, g_expected,
+def _w_block_shape(cfg: BackwardConfig) -> tuple[int, int]:
+    """A ``w``/``dw`` block: ``[Hp, block_v]``, or ``[block_v, Hp]`` for a ``[V, H]`` head."""
+    return (cfg.block_v, cfg.hp) if cfg.w_layout == "vh" else (cfg.hp, cfg.block_v)
+
+
+def _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_expected,
             cfg: BackwardConfig) -> tuple[list[pl.BlockSpec], list[jax.Array]]:
-    """The kernel's input specs and operands: x, w, then the per-row columns (the optional ones last)."""
+    """The kernel's input specs and operands: x, w, labels, the row scale if any, then the other
+    per-row columns (the optional ones last)."""
 
     def rows(c, j, i):
         return (i, 0)
 
     column = pl.BlockSpec((cfg.block_b, 1), rows)
-    in_specs = [
-        pl.BlockSpec((cfg.block_b, cfg.hp), rows),
-        _w_block_spec(cfg),
-        column,
-        column,
-        column,
-        column,
-    ]
-    operands = [x, w, labels, lse, g_lse, g_label]
+    in_specs = [pl.BlockSpec((cfg.block_b, cfg.hp), rows), _w_block_spec(cfg), column]
+    operands = [x, w, labels]
+    if cfg.with_row_scale:
+        assert row_scale is not None, "cfg.with_row_scale needs row_scale"
+        in_specs.append(column)
+        operands.append(row_scale)
+    in_specs += [column, column, column]
+    operands += [lse, g_lse, g_label]
     if cfg.with_sum:
         assert g_sum is not None, "cfg.with_sum needs g_sum"
         in_specs.append(column)

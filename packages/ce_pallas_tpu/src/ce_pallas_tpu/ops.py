@@ -154,22 +154,37 @@ def vocab_size(w: jax.Array, spec: StatsSpec) -> int:
     return w.shape[0] if spec.w_layout == "vh" else w.shape[1]
 
 
-def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
+def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
+              row_scale: jax.Array | None = None) -> RowStats:
     """lse, label logit and (optionally) logit sum and expected logit of ``cap(x @ w)`` from the kernels."""
+    # Placeholder until the forward kernel takes the version-3 features (feat-pfwd): refuse, never
+    # read a [V, H] head as [H, V].
+    if row_scale is not None or spec.with_row_scale or spec.w_layout != "hv" or spec.with_argmax:
+        raise NotImplementedError("pallas_tpu: the forward kernel does not take w_layout='vh', argmax or a "
+                                  "row scale yet")
     n, h = x.shape
     plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
     return _row_stats(x, w, labels, plan)
 
 
 def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, stats: RowStats, cotangent: RowStats,
-                  spec: StatsSpec) -> tuple[jax.Array, jax.Array]:
+                  spec: StatsSpec, *, row_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``dx, dw`` of the statistics from the backward kernel alone, given the rows' whole-vocab
-    ``stats`` (their lse, and their expected logit when ``spec.with_expected``)."""
+    ``stats`` (their lse, and their expected logit when ``spec.with_expected``); ``row_scale``
+    (float32 ``[N]``) exactly when ``spec.with_row_scale``. ``dw`` has the layout of ``w``."""
     n, h = x.shape
     plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
     y = labels.astype(jnp.int32).reshape(-1, 1)
-    dx, dw, _ = _row_stats_bwd(plan, (x, w, y, stats.lse, stats.expected), cotangent)
+    scale = _row_scale_column(row_scale, plan)
+    dx, dw = _row_stats_bwd(plan, (x, w, y, stats.lse, stats.expected, scale), cotangent)[:2]
     return dx, dw
+
+
+def _row_scale_column(row_scale: jax.Array | None, plan: Plan) -> jax.Array | None:
+    """The row scale as the kernels take it (float32 ``[N, 1]``), checked against the plan."""
+    if plan.backward.with_row_scale != (row_scale is not None):
+        raise ValueError("pallas_tpu: row_scale must be given exactly when spec.with_row_scale")
+    return None if row_scale is None else row_scale.astype(jnp.float32).reshape(-1, 1)
 
 
 def _forward(x, w, labels, plan: Plan):
@@ -180,7 +195,7 @@ def _forward(x, w, labels, plan: Plan):
     label = merge_cores(label_partials, "sum")
     total = merge_cores(partials.pop(0), "sum") if plan.forward.with_sum else None
     expected = merge_expected(lse_partials, partials.pop(0), lse) if plan.forward.with_expected else None
-    return RowStats(lse, label, total, expected), (x, w, y, lse, expected)
+    return RowStats(lse, label, total, expected), (x, w, y, lse, expected, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -193,7 +208,7 @@ def _row_stats_fwd(x, w, labels, plan: Plan):
 
 
 def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
-    x, w, y, lse, expected = residuals
+    x, w, y, lse, expected, row_scale = residuals
 
     def column(g: jax.Array) -> jax.Array:
         return g.astype(jnp.float32).reshape(-1, 1)
@@ -206,7 +221,7 @@ def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
             raise ValueError("pallas_tpu: the expected logit's cotangent needs the rows' expected logit")
         expected_column, g_expected = column(expected), column(cotangents.expected)
     dx_partials, dw = backward_call(x, w, y, column(lse), column(cotangents.lse), column(cotangents.label),
-                                    g_sum, expected_column, g_expected, cfg)
+                                    g_sum, expected_column, g_expected, cfg, row_scale)
     dx = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
     return dx[: plan.n, : plan.h].astype(x.dtype), dw, None
 
