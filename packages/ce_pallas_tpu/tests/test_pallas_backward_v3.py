@@ -19,7 +19,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import ce_pallas_tpu
 from ce_core import BlockSizes, Problem, RowStats, StatsSpec
-from ce_core.testing import TOLERANCES, max_rel_error, random_problem, stats_oracle
+from ce_core.extend import TOLERANCES, max_rel_error, random_problem, stats_oracle
 from ce_pallas_tpu import ops
 
 STATS = ("lse", "label", "sum", "expected")

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 from ce_core import BlockSizes, RowStats, StatsSpec
-from ce_core.contract.registry import get_backend
-from ce_core.testing import max_rel_error, random_problem, stats_oracle
+from ce_core.extend import get_backend, max_rel_error, random_problem, stats_oracle
 from ce_xla import XlaBackend
 
 N = 51
