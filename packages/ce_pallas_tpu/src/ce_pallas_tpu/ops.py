@@ -20,7 +20,7 @@ from ce_pallas_tpu import tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
 from ce_pallas_tpu.cost_model import Shape
-from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
+from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_argmax, merge_cores, merge_expected
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
 
@@ -154,11 +154,17 @@ def vocab_size(w: jax.Array, spec: StatsSpec) -> int:
     return w.shape[0] if spec.w_layout == "vh" else w.shape[1]
 
 
-def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec) -> RowStats:
-    """lse, label logit and (optionally) logit sum and expected logit of ``cap(x @ w)`` from the kernels."""
+def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
+              row_scale: jax.Array | None = None) -> RowStats:
+    """lse, label logit and (optionally) logit sum, expected logit, max logit and its index of
+    ``s * cap(x @ w)`` from the kernels; ``w`` in ``spec.w_layout``, ``row_scale`` (float32 ``[N]``, not
+    differentiated) exactly when ``spec.with_row_scale``."""
     n, h = x.shape
     plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
-    return _row_stats(x, w, labels, plan)
+    if plan.forward.with_row_scale != (row_scale is not None):
+        raise ValueError("pallas_tpu: row_scale must be given exactly when spec.with_row_scale")
+    scale = None if row_scale is None else row_scale.astype(jnp.float32).reshape(-1, 1)
+    return _row_stats(x, w, (labels, scale), plan)
 
 
 def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, stats: RowStats, cotangent: RowStats,
@@ -168,32 +174,40 @@ def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, stats: RowStats
     n, h = x.shape
     plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
     y = labels.astype(jnp.int32).reshape(-1, 1)
-    dx, dw, _ = _row_stats_bwd(plan, (x, w, y, stats.lse, stats.expected), cotangent)
+    dx, dw, _ = _row_stats_bwd(plan, (x, w, y, stats.lse, stats.expected, None), cotangent)
     return dx, dw
 
 
-def _forward(x, w, labels, plan: Plan):
+def _forward(x, w, inputs, plan: Plan):
+    """The statistics, and the residuals ``(x, w, y, lse, expected, row scale column or None)``.
+
+    ``inputs`` is ``(labels, row scale as a float32 [N, 1] column or None)``: one argument of the
+    custom VJP, whose cotangent is None as a whole (neither is differentiated).
+    """
+    labels, scale = inputs
     y = labels.astype(jnp.int32).reshape(-1, 1)
-    partials = list(forward_call(x, w, y, plan.forward))
+    cfg = plan.forward
+    partials = list(forward_call(x, w, y, cfg, scale))
     lse_partials, label_partials = partials.pop(0), partials.pop(0)
     lse = merge_cores(lse_partials, "logsumexp")
     label = merge_cores(label_partials, "sum")
-    total = merge_cores(partials.pop(0), "sum") if plan.forward.with_sum else None
-    expected = merge_expected(lse_partials, partials.pop(0), lse) if plan.forward.with_expected else None
-    return RowStats(lse, label, total, expected), (x, w, y, lse, expected)
+    total = merge_cores(partials.pop(0), "sum") if cfg.with_sum else None
+    expected = merge_expected(lse_partials, partials.pop(0), lse) if cfg.with_expected else None
+    top, top_index = merge_argmax(partials.pop(0), partials.pop(0)) if cfg.with_argmax else (None, None)
+    return RowStats(lse, label, total, expected, top, top_index), (x, w, y, lse, expected, scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _row_stats(x, w, labels, plan: Plan) -> RowStats:
-    return _forward(x, w, labels, plan)[0]
+def _row_stats(x, w, inputs, plan: Plan) -> RowStats:
+    return _forward(x, w, inputs, plan)[0]
 
 
-def _row_stats_fwd(x, w, labels, plan: Plan):
-    return _forward(x, w, labels, plan)
+def _row_stats_fwd(x, w, inputs, plan: Plan):
+    return _forward(x, w, inputs, plan)
 
 
 def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
-    x, w, y, lse, expected = residuals
+    x, w, y, lse, expected, _ = residuals
 
     def column(g: jax.Array) -> jax.Array:
         return g.astype(jnp.float32).reshape(-1, 1)
