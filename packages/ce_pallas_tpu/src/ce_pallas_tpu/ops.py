@@ -91,6 +91,8 @@ def problem_shape(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec) -> 
         capped=spec.logit_soft_cap is not None,
         mxu_bytes=mxu_dtype(precision).itemsize,
         with_expected=spec.with_expected,
+        with_argmax=spec.with_argmax,
+        with_row_scale=spec.with_row_scale,
     )
 
 
