@@ -115,13 +115,10 @@ def test_backward_of_a_tied_head_needs_no_more_memory(generation, n, h, v):
     _assert_tied_head_costs_the_same(lambda layout: _backward_alone(generation, layout, n, h, v), h, v)
 
 
-# Until the forward kernel's [V, H] path is merged, ops.row_stats refuses the layout; any other
-# failure (the bound itself) still fails.
-@pytest.mark.xfail(raises=NotImplementedError, reason="the forward kernel's [V, H] path (feat-pfwd)")
 @pytest.mark.parametrize("generation", GENERATIONS)
 @pytest.mark.parametrize("n,h,v", SHAPES, ids=SHAPE_IDS)
 def test_value_and_grad_of_a_tied_head_needs_no_more_memory(generation, n, h, v):
-    """Forward and backward kernels together (needs the forward kernel's ``[V, H]`` path)."""
+    """Forward and backward kernels together, the way a training step differentiates the head."""
     _assert_tied_head_costs_the_same(lambda layout: _value_and_grad(generation, layout, n, h, v), h, v)
 
 

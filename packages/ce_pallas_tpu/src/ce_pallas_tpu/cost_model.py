@@ -46,6 +46,8 @@ class Shape:
     capped: bool
     mxu_bytes: int | None = None  # bytes per element of the products' operands (None: from the inputs)
     with_expected: bool = False
+    with_argmax: bool = False  # the forward's max logit and its index (two more statistics)
+    with_row_scale: bool = False  # a [N, 1] float32 input column beside the labels
 
     @property
     def n_stats(self) -> int:
@@ -69,10 +71,10 @@ def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, sin
     columns = block_v if blocked else forward_column_chunk(mxu_side, block_v) or block_v
     # A single-buffered resident x still costs about half a buffer more (the matmul's operand copy).
     x_buffers = 2 if (blocked or not single_x) else 1.5
-    stats = shape.n_stats
+    stats = shape.n_stats + 2 * shape.with_argmax
     total = FIXED_BYTES + int(x_buffers * _tile(block_b, block_h, shape.x_bytes))
     total += 2 * _tile(block_h, block_v, shape.w_bytes)
-    total += 2 * _tile(block_b, 1, 4)  # labels
+    total += 2 * (1 + shape.with_row_scale) * _tile(block_b, 1, 4)  # labels (and the row scale)
     total += 2 * stats * _tile(block_b, 1, 4)  # outputs
     if blocked:
         # Running max, sum, label (, logit sum, weighted sum) per row; logits summed over hidden blocks.

@@ -1,4 +1,5 @@
-"""Streaming forward kernel: per-token lse, label logit, logit sum and expected logit of ``cap(x @ w)``.
+"""Streaming forward kernel: per-token lse, label logit, logit sum, expected logit and max logit with its
+lowest index, of ``s * cap(x @ w)``.
 
 Grid ``(cores, token blocks, vocab blocks per core, hidden blocks)``:
 
@@ -31,6 +32,18 @@ ragged last block hold garbage and are masked to ``-inf`` (to 0 in the sum). Row
 ragged last token block produce garbage that Pallas never writes back. When ``H`` is not a
 multiple of 128 the blocks span its round-up ``Hp`` and the garbage past ``H`` is zeroed in both
 operands' VMEM buffers first; nothing is padded in HBM.
+
+The head comes as ``w [H, V]`` (``w_layout="hv"``, blocks ``[block_h, block_v]``) or ``w [V, H]``
+(``"vh"``, a tied embedding: blocks ``[block_v, block_h]``, the product an NT matmul contracting on H,
+so w is never transposed or copied). With ``with_argmax`` each lane also keeps its top logit and the
+index of its first occurrence (a strict compare per column); rows take the lowest index among
+their lanes at the top, and the wrapper the lowest among the cores at the top (:func:`merge_argmax`).
+Garbage columns are ``-inf`` for it, and garbage rows are never written. Its compare and two
+selects per logit cost 0.002-0.004 of the static schedule's ratio on v5e/v5p but 0.055 on v6e at
+8192x4096x128256, where the step is bound by vector ops (a pairwise tree over column groups cost
+the same; a max alone 0.020). With ``with_row_scale``
+a float32 column ``s [N, 1]``, blocked like the labels, multiplies the capped logits of each row
+before any statistic.
 """
 
 from __future__ import annotations
@@ -72,14 +85,19 @@ class ForwardConfig(common.KernelConfig):
 
 
 def _split_refs(refs, cfg: ForwardConfig):
-    """The kernel's output refs ``(lse, label, sum, expected)`` and statistic scratch refs ``(max or
-    reference, sum of exp, label, logit sum, weighted sum)``, absent ones None, and the other scratch."""
+    """The kernel's output refs ``(lse, label, sum, expected, max, argmax)`` and statistic scratch refs
+    ``(max or reference, sum of exp, label, logit sum, weighted sum, top, top index)``, absent ones
+    None, and the other scratch."""
     out_refs, scratch = list(refs[: cfg.n_stats]), list(refs[cfg.n_stats :])
     stat_refs = scratch[: cfg.n_stats + 1]
-    outs = (out_refs.pop(0), out_refs.pop(0), out_refs.pop(0) if cfg.with_sum else None,
-            out_refs.pop(0) if cfg.with_expected else None)
-    stats = (stat_refs.pop(0), stat_refs.pop(0), stat_refs.pop(0), stat_refs.pop(0) if cfg.with_sum else None,
-             stat_refs.pop(0) if cfg.with_expected else None)
+
+    def take(refs_left: list, present: bool):
+        return refs_left.pop(0) if present else None
+
+    outs = (out_refs.pop(0), out_refs.pop(0), take(out_refs, cfg.with_sum), take(out_refs, cfg.with_expected),
+            take(out_refs, cfg.with_argmax), take(out_refs, cfg.with_argmax))
+    stats = (stat_refs.pop(0), stat_refs.pop(0), stat_refs.pop(0), take(stat_refs, cfg.with_sum),
+             take(stat_refs, cfg.with_expected), take(stat_refs, cfg.with_argmax), take(stat_refs, cfg.with_argmax))
     return outs, stats, scratch[cfg.n_stats + 1 :]
 
 
@@ -105,9 +123,9 @@ def _grid_step(cfg: ForwardConfig) -> _Step:
 
 
 def _read_state(stat_refs, at: EllipsisType | jax.Array = ...) -> tile_stats.State:
-    r, sum_exp, label, total, weighted = (None if ref is None else ref[at] for ref in stat_refs)
+    r, sum_exp, label, total, weighted, top, top_index = (None if ref is None else ref[at] for ref in stat_refs)
     assert r is not None and sum_exp is not None and label is not None
-    return r, sum_exp, label, total, weighted
+    return r, sum_exp, label, total, weighted, top, top_index
 
 
 def _write_state(stat_refs, state: tile_stats.State, at: EllipsisType | jax.Array = ...) -> None:
@@ -119,34 +137,55 @@ def _write_state(stat_refs, state: tile_stats.State, at: EllipsisType | jax.Arra
 def _initial_state(stat_refs) -> tile_stats.State:
     shape = stat_refs[0].shape[-2:]
     zeros = jnp.zeros(shape, jnp.float32)
-    return (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, None if stat_refs[3] is None else zeros,
-            None if stat_refs[4] is None else zeros)
+    lowest = jnp.full(shape, -jnp.inf, jnp.float32)
+    argmax = stat_refs[6] is not None
+    return (lowest, zeros, zeros, None if stat_refs[3] is None else zeros, None if stat_refs[4] is None else zeros,
+            lowest if argmax else None, jnp.zeros(shape, jnp.int32) if argmax else None)
 
 
 def _write_outputs(outs, rows: tile_stats.State) -> None:
-    """The per-row statistics as the kernel's outputs: lse, label logit, logit sum, expected logit."""
-    lse_ref, label_ref, sum_ref, expected_ref = outs
-    m, sum_exp, label, total, weighted = rows
+    """The per-row statistics as the kernel's outputs: lse, label logit, logit sum, expected logit, max
+    logit and its index."""
+    lse_ref, label_ref, sum_ref, expected_ref, max_ref, argmax_ref = outs
+    m, sum_exp, label, total, weighted, top, top_index = rows
     lse_ref[...] = m + jnp.log(sum_exp)
     label_ref[...] = label
     if sum_ref is not None and total is not None:
         sum_ref[...] = total
     if expected_ref is not None and weighted is not None:
         expected_ref[...] = weighted / sum_exp
+    if max_ref is not None and argmax_ref is not None and top is not None and top_index is not None:
+        max_ref[...] = top
+        argmax_ref[...] = top_index
 
 
 # ---------------------------------------------------------------------------------------------
 # The streamed kernel: the hidden dimension whole (the default).
 
 
+def _zero_hidden_tail(x_ref, w_ref, cfg: ForwardConfig) -> None:
+    """The garbage past ``H`` zeroed in both blocks; a ``[V, H]`` block has it in its last columns, as x."""
+    if cfg.w_layout == "vh":
+        common.zero_hidden_tail(x_ref, None, cfg.hidden, cfg.hp)
+        common.zero_hidden_tail(w_ref, None, cfg.hidden, cfg.hp)
+    else:
+        common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
+
+
+def _split_row_scale(refs, cfg: ForwardConfig):
+    """The row scale's ref (None without one) and the kernel's remaining refs."""
+    return (refs[0], refs[1:]) if cfg.with_row_scale else (None, refs)
+
+
 def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     """Per-lane statistics (see the module docs), in two slots, so that a step reads the previous
     step's and writes its own before its overflow check is known, and a redo still finds the state
     from before the step."""
+    s_ref, refs = _split_row_scale(refs, cfg)
     outs, stat_refs, (redo_ref,) = _split_refs(refs, cfg)
     step = _grid_step(cfg)
     if cfg.hidden != cfg.hp:
-        common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp)
+        _zero_hidden_tail(x_ref, w_ref, cfg)
     block_start = step.block * cfg.block_v
     gap = (jnp.broadcast_to(y_ref[...] - block_start, (cfg.block_b, LANES))
            - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
@@ -160,23 +199,38 @@ def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
 
     if cfg.block_v % LANES == 0:  # else the block is the row's only one (block_v == V), always taken exactly
         pl.when(step.in_range & jnp.logical_not(exact))(
-            lambda: _streamed_step(x_ref, w_ref, gap, stat_refs, redo_ref, step.i, previous, current, cfg))
+            lambda: _streamed_step(x_ref, w_ref, s_ref, gap, block_start, stat_refs, redo_ref, step.i, previous,
+                                   current, cfg))
     pl.when(step.in_range & (redo_ref[0] != 0))(
-        lambda: _exact_step(x_ref, w_ref, y_ref, gap, block_start, stat_refs, step.j, previous, current, cfg))
+        lambda: _exact_step(x_ref, w_ref, y_ref, s_ref, gap, block_start, stat_refs, step.j, previous, current,
+                            cfg))
     pl.when(step.last_step)(lambda: _finish_streamed(outs, stat_refs, step, previous, current))
 
 
-def _product(x_ref, w_ref, first: int, cfg: ForwardConfig) -> jax.Array:
-    """The logits of the step's column chunk that starts at column ``first`` of the block."""
-    columns = w_ref[:, pl.ds(first, cfg.column_chunk or cfg.block_v)]
-    return common.matmul(x_ref[...], columns, cfg.precision)
+def _product(x_ref, w_ref, first: int, width: int, cfg: ForwardConfig) -> jax.Array:
+    """The raw logits of the ``width`` vocab columns of the block that start at column ``first``."""
+    if cfg.w_layout == "vh":  # vocab entries are the block's rows: contract both operands on H
+        return common.matmul_nt(x_ref[...], w_ref[pl.ds(first, width), :], cfg.precision)
+    return common.matmul(x_ref[...], w_ref[:, pl.ds(first, width)], cfg.precision)
 
 
-def _streamed_step(x_ref, w_ref, gap, stat_refs, redo_ref, i, previous, current, cfg: ForwardConfig) -> None:
+def _chunk(x_ref, w_ref, first: int, cfg: ForwardConfig) -> jax.Array:
+    """The raw logits of the streamed step's column chunk that starts at column ``first``."""
+    return _product(x_ref, w_ref, first, cfg.column_chunk or cfg.block_v, cfg)
+
+
+def _row_scale(s_ref) -> jax.Array | None:
+    return None if s_ref is None else s_ref[...]
+
+
+def _streamed_step(x_ref, w_ref, s_ref, gap, block_start, stat_refs, redo_ref, i, previous, current,
+                   cfg: ForwardConfig) -> None:
     """The block's exps against each lane's reference as it stands; asks for a redo on overflow."""
     state = _read_state(stat_refs, previous)
+    scale = _row_scale(s_ref)
     for first in cfg.column_chunks:
-        state = tile_stats.streamed_lane_update(_product(x_ref, w_ref, first, cfg), gap, state, cfg, first)
+        state = tile_stats.streamed_lane_update(_chunk(x_ref, w_ref, first, cfg), gap, state, cfg, first,
+                                                block_start + first, scale)
     _write_state(stat_refs, state, current)
     # Compared before reducing, so that NaN rows cannot hide an overflowing one; the garbage
     # rows of a ragged token block are left out, so they never force a redo.
@@ -186,14 +240,15 @@ def _streamed_step(x_ref, w_ref, gap, stat_refs, redo_ref, i, previous, current,
     redo_ref[0] = jnp.max(over.astype(jnp.int32))
 
 
-def _exact_step(x_ref, w_ref, y_ref, gap, block_start, stat_refs, j, previous, current,
+def _exact_step(x_ref, w_ref, y_ref, s_ref, gap, block_start, stat_refs, j, previous, current,
                 cfg: ForwardConfig) -> None:
     """The block taken exactly: each lane's reference moved up to its maximum first."""
     fresh = _initial_state(stat_refs)
     state = fresh if cfg.nv_per_core == 1 else tile_stats.select(j == 0, fresh, _read_state(stat_refs, previous))
+    scale = _row_scale(s_ref)
     for first in cfg.column_chunks:
-        state = tile_stats.exact_lane_update(_product(x_ref, w_ref, first, cfg), block_start + first, y_ref[...],
-                                             gap, state, cfg, first)
+        state = tile_stats.exact_lane_update(_chunk(x_ref, w_ref, first, cfg), block_start + first, y_ref[...],
+                                             gap, state, cfg, first, scale)
     _write_state(stat_refs, state, current)
 
 
@@ -210,12 +265,13 @@ def _finish_streamed(outs, stat_refs, step: _Step, previous, current) -> None:
 
 def _blocked_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     """The logit tile summed over hidden blocks in a VMEM scratch, then per-row online statistics."""
+    s_ref, refs = _split_row_scale(refs, cfg)
     outs, stat_refs, (acc_ref,) = _split_refs(refs, cfg)
     step = _grid_step(cfg)
     pl.when((step.j == 0) & (step.k == 0))(lambda: _write_state(stat_refs, _initial_state(stat_refs)))
 
     def accumulate():
-        _accumulate_hidden_block(x_ref, w_ref, y_ref, acc_ref, stat_refs, step, cfg)
+        _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, acc_ref, stat_refs, step, cfg)
 
     if step.guarded:
         pl.when(step.in_range)(accumulate)
@@ -224,12 +280,13 @@ def _blocked_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     pl.when(step.last_step)(lambda: _write_outputs(outs, _read_state(stat_refs)))
 
 
-def _accumulate_hidden_block(x_ref, w_ref, y_ref, acc_ref, stat_refs, step: _Step, cfg: ForwardConfig) -> None:
+def _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, acc_ref, stat_refs, step: _Step,
+                             cfg: ForwardConfig) -> None:
     """This hidden block's part of the logit tile; after the last one, the tile's row statistics."""
     k = step.k
     if cfg.hidden != cfg.hp:
-        pl.when(k == cfg.nh - 1)(lambda: common.zero_hidden_tail(x_ref, w_ref, cfg.hidden, cfg.hp))
-    part = common.matmul(x_ref[...], w_ref[...], cfg.precision)
+        pl.when(k == cfg.nh - 1)(lambda: _zero_hidden_tail(x_ref, w_ref, cfg))
+    part = _product(x_ref, w_ref, 0, cfg.block_v, cfg)
 
     @pl.when(k == 0)
     def _():
@@ -241,40 +298,54 @@ def _accumulate_hidden_block(x_ref, w_ref, y_ref, acc_ref, stat_refs, step: _Ste
 
     @pl.when(k == cfg.nh - 1)
     def _():
-        rows = tile_stats.row_update(acc_ref[...], step.block * cfg.block_v, y_ref[...], _read_state(stat_refs), cfg)
+        rows = tile_stats.row_update(acc_ref[...], step.block * cfg.block_v, y_ref[...], _read_state(stat_refs), cfg,
+                                     _row_scale(s_ref))
         _write_state(stat_refs, rows)
 
 
-def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig) -> tuple[jax.Array, ...]:
-    """Per-core partial statistics, each float32 ``[cores, N, 1]``: ``(lse, label[, sum][, expected])``.
+def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig,
+                 row_scale: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Per-core partial statistics, each ``[cores, N, 1]``: ``(lse, label[, sum][, expected][, max,
+    argmax])``, float32 but argmax int32.
 
-    ``x`` is ``[N, H]``, ``w`` is ``[H, V]``, ``labels`` is int32 ``[N, 1]``.
+    ``x`` is ``[N, H]``, ``w`` is ``[H, V]`` (``cfg.w_layout == "hv"``) or ``[V, H]`` (``"vh"``),
+    ``labels`` is int32 ``[N, 1]``, ``row_scale`` float32 ``[N, 1]`` exactly when ``cfg.with_row_scale``.
     """
     nvc, nv = cfg.nv_per_core, cfg.nv
+    if cfg.with_row_scale != (row_scale is not None):
+        raise ValueError("forward_call: row_scale must be given exactly when cfg.with_row_scale")
 
     def w_block(c, i, j, k):
-        return (k, jnp.minimum(c * nvc + j, nv - 1))
+        block = jnp.minimum(c * nvc + j, nv - 1)
+        return (block, k) if cfg.w_layout == "vh" else (k, block)
 
     # x stays resident across the vocab loop when the hidden axis is not blocked: one buffer is
     # enough (it changes once per token block), which halves its VMEM. (Interpret mode ignores it.)
     x_mode = pl.Buffered(1) if cfg.nh == 1 else None
     in_specs = [
         common.block_spec((cfg.block_b, cfg.block_h), lambda c, i, j, k: (i, k), x_mode),
-        pl.BlockSpec((cfg.block_h, cfg.block_v), w_block),
+        pl.BlockSpec((cfg.block_v, cfg.block_h) if cfg.w_layout == "vh" else (cfg.block_h, cfg.block_v), w_block),
         pl.BlockSpec((cfg.block_b, 1), lambda c, i, j, k: (i, 0)),
     ]
+    inputs = [x, w, labels]
+    if row_scale is not None:
+        in_specs.append(pl.BlockSpec((cfg.block_b, 1), lambda c, i, j, k: (i, 0)))
+        inputs.append(row_scale)
     num_out = cfg.n_stats
     stat_spec = pl.BlockSpec((pl.squeezed, cfg.block_b, 1), lambda c, i, j, k: (c, i, 0))
-    axes = varying_axes_of(x, w, labels)
-    x, w, labels = (vary(value, axes) for value in (x, w, labels))
-    out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), jnp.float32, axes)] * num_out
-    # Running max (streamed: reference), sum of exp, label logit (, logit sum)(, weighted sum), per
-    # row, or per row and lane when streamed.
+    axes = varying_axes_of(*inputs)
+    inputs = [vary(value, axes) for value in inputs]
+    # The last statistic is the argmax, the only integer one.
+    out_dtypes = [jnp.float32] * (num_out - 1) + [jnp.int32 if cfg.with_argmax else jnp.float32]
+    out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), dtype, axes) for dtype in out_dtypes]
+    # Running max (streamed: reference), sum of exp, label logit (, logit sum)(, weighted sum)(, top
+    # logit, its index), per row, or per row and lane when streamed.
+    stat_dtypes = [jnp.float32] * cfg.n_stats + [jnp.int32 if cfg.with_argmax else jnp.float32]
     if cfg.nh > 1:
-        scratch = [pltpu.VMEM((cfg.block_b, 1), jnp.float32)] * (cfg.n_stats + 1)
+        scratch = [pltpu.VMEM((cfg.block_b, 1), dtype) for dtype in stat_dtypes]
         scratch.append(pltpu.VMEM((cfg.block_b, cfg.block_v), jnp.float32))  # logits summed over hidden blocks
     else:
-        scratch = [pltpu.VMEM((2, cfg.block_b, LANES), jnp.float32)] * (cfg.n_stats + 1)
+        scratch = [pltpu.VMEM((2, cfg.block_b, LANES), dtype) for dtype in stat_dtypes]
         scratch.append(pltpu.SMEM((1,), jnp.int32))  # whether this step is taken exactly
     return pl.pallas_call(
         functools.partial(_blocked_kernel if cfg.nh > 1 else _streamed_kernel, cfg=cfg),
@@ -297,7 +368,7 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
             bytes_accessed=x.size * x.dtype.itemsize + cfg.nb * w.size * w.dtype.itemsize,
         ),
         name="ce_pallas_tpu_forward",
-    )(x, w, labels)
+    )(*inputs)
 
 
 def merge_cores(partials: jax.Array, how: str) -> jax.Array:
@@ -307,6 +378,17 @@ def merge_cores(partials: jax.Array, how: str) -> jax.Array:
     if how == "logsumexp":
         return jax.nn.logsumexp(partials[:, :, 0], axis=0)
     return jnp.sum(partials[:, :, 0], axis=0)
+
+
+def merge_argmax(max_partials: jax.Array, argmax_partials: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rows' max logit and its lowest index ``[N]`` from the cores' ``[cores, N, 1]`` partials: the
+    largest max, and the lowest index among the cores that reach it."""
+    if max_partials.shape[0] == 1:
+        return max_partials[0, :, 0], argmax_partials[0, :, 0]
+    top = jnp.max(max_partials[:, :, 0], axis=0)
+    at_top = max_partials[:, :, 0] == top[None, :]
+    index = jnp.min(jnp.where(at_top, argmax_partials[:, :, 0], tile_stats.NO_INDEX), axis=0)
+    return top, index
 
 
 def merge_expected(lse_partials: jax.Array, expected_partials: jax.Array, lse: jax.Array) -> jax.Array:

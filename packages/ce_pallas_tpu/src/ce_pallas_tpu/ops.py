@@ -20,7 +20,7 @@ from ce_pallas_tpu import tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
 from ce_pallas_tpu.cost_model import Shape
-from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_cores, merge_expected
+from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_argmax, merge_cores, merge_expected
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
 
@@ -91,6 +91,8 @@ def problem_shape(n: int, h: int, v: int, x_dtype, w_dtype, spec: StatsSpec) -> 
         capped=spec.logit_soft_cap is not None,
         mxu_bytes=mxu_dtype(precision).itemsize,
         with_expected=spec.with_expected,
+        with_argmax=spec.with_argmax,
+        with_row_scale=spec.with_row_scale,
     )
 
 
@@ -156,15 +158,12 @@ def vocab_size(w: jax.Array, spec: StatsSpec) -> int:
 
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
               row_scale: jax.Array | None = None) -> RowStats:
-    """lse, label logit and (optionally) logit sum and expected logit of ``cap(x @ w)`` from the kernels."""
-    # Placeholder until the forward kernel takes the version-3 features (feat-pfwd): refuse, never
-    # read a [V, H] head as [H, V].
-    if row_scale is not None or spec.with_row_scale or spec.w_layout != "hv" or spec.with_argmax:
-        raise NotImplementedError("pallas_tpu: the forward kernel does not take w_layout='vh', argmax or a "
-                                  "row scale yet")
+    """lse, label logit and (optionally) logit sum, expected logit, max logit and its index of
+    ``s * cap(x @ w)`` from the kernels; ``w`` in ``spec.w_layout``, ``row_scale`` (float32 ``[N]``, not
+    differentiated) exactly when ``spec.with_row_scale``."""
     n, h = x.shape
     plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
-    return _row_stats(x, w, labels, plan)
+    return _row_stats(x, w, (labels, _row_scale_column(row_scale, plan)), plan)
 
 
 def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, stats: RowStats, cotangent: RowStats,
@@ -187,24 +186,32 @@ def _row_scale_column(row_scale: jax.Array | None, plan: Plan) -> jax.Array | No
     return None if row_scale is None else row_scale.astype(jnp.float32).reshape(-1, 1)
 
 
-def _forward(x, w, labels, plan: Plan):
+def _forward(x, w, inputs, plan: Plan):
+    """The statistics, and the residuals ``(x, w, y, lse, expected, row scale column or None)``.
+
+    ``inputs`` is ``(labels, row scale as a float32 [N, 1] column or None)``: one argument of the
+    custom VJP, whose cotangent is None as a whole (neither is differentiated).
+    """
+    labels, scale = inputs
     y = labels.astype(jnp.int32).reshape(-1, 1)
-    partials = list(forward_call(x, w, y, plan.forward))
+    cfg = plan.forward
+    partials = list(forward_call(x, w, y, cfg, scale))
     lse_partials, label_partials = partials.pop(0), partials.pop(0)
     lse = merge_cores(lse_partials, "logsumexp")
     label = merge_cores(label_partials, "sum")
-    total = merge_cores(partials.pop(0), "sum") if plan.forward.with_sum else None
-    expected = merge_expected(lse_partials, partials.pop(0), lse) if plan.forward.with_expected else None
-    return RowStats(lse, label, total, expected), (x, w, y, lse, expected, None)
+    total = merge_cores(partials.pop(0), "sum") if cfg.with_sum else None
+    expected = merge_expected(lse_partials, partials.pop(0), lse) if cfg.with_expected else None
+    top, top_index = merge_argmax(partials.pop(0), partials.pop(0)) if cfg.with_argmax else (None, None)
+    return RowStats(lse, label, total, expected, top, top_index), (x, w, y, lse, expected, scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _row_stats(x, w, labels, plan: Plan) -> RowStats:
-    return _forward(x, w, labels, plan)[0]
+def _row_stats(x, w, inputs, plan: Plan) -> RowStats:
+    return _forward(x, w, inputs, plan)[0]
 
 
-def _row_stats_fwd(x, w, labels, plan: Plan):
-    return _forward(x, w, labels, plan)
+def _row_stats_fwd(x, w, inputs, plan: Plan):
+    return _forward(x, w, inputs, plan)
 
 
 def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
