@@ -83,8 +83,9 @@ def expected_argmax(x, labels, w_hv, cap, temperature, ignore_index=-100):
     return np.where(labels != ignore_index, np.argmax(z, -1), -1)
 
 
-def make_mesh(axis_type=AxisType.Auto):
-    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2, devices=jax.devices("cpu")[:8])
+def make_mesh(axis_type=AxisType.Auto, shape: tuple[int, int] = (2, 4)):
+    return jax.make_mesh(shape, ("data", "model"), axis_types=(axis_type,) * 2,
+                         devices=jax.devices("cpu")[:shape[0] * shape[1]])
 
 
 def w_spec(layout: str) -> P:
@@ -92,8 +93,9 @@ def w_spec(layout: str) -> P:
     return P(None, "model") if layout == "hv" else P("model", None)
 
 
-def run_placement(placement: str, backend: str, feature: Feature, x, labels, w, temperature, cotangent):
-    """``(objective, outputs), (dx, dw)`` of one call placed as ``placement`` says."""
+def run_placement(placement: str, backend: str, feature: Feature, x, labels, w, temperature, cotangent,
+                  mesh_shape: tuple[int, int] = (2, 4)):
+    """``(objective, outputs), (dx, dw)`` of one call placed as ``placement`` says, on a data x model mesh."""
     options: dict[str, Any] = dict(implementation=backend, w_layout=feature.layout, logit_soft_cap=feature.cap,
                                    return_argmax=feature.argmax, return_lse=feature.lse)
     t_static = isinstance(temperature, float)
@@ -111,7 +113,7 @@ def run_placement(placement: str, backend: str, feature: Feature, x, labels, w, 
 
     if placement == "shard_map":
         # Inside the caller's own shard_map: tokens split over "data", w's vocab dim over "model".
-        mesh = make_mesh()
+        mesh = make_mesh(shape=mesh_shape)
         reduction = "sum" if feature.reduction != "none" else "none"
 
         def body(x_, l_, w_, t_):
@@ -143,7 +145,7 @@ def run_placement(placement: str, backend: str, feature: Feature, x, labels, w, 
         return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))(x, w, t_arg)
 
     if placement == "wrapper":
-        mesh = make_mesh()
+        mesh = make_mesh(shape=mesh_shape)
 
         def fn(x_, w_, t_):
             return objective_of(sharded_linear_cross_entropy(x_, labels, w_, mesh=mesh, batch_axes="data",
@@ -152,7 +154,7 @@ def run_placement(placement: str, backend: str, feature: Feature, x, labels, w, 
         return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))(x, w, t_arg)
 
     explicit = placement == "explicit"
-    mesh = make_mesh(AxisType.Explicit if explicit else AxisType.Auto)
+    mesh = make_mesh(AxisType.Explicit if explicit else AxisType.Auto, mesh_shape)
     stated = (P("data", None, None), w_spec(feature.layout)) if placement == "auto_stated" else None
 
     def fn(x_, w_, t_):
@@ -455,3 +457,31 @@ def test_stated_in_specs_split_the_vh_vocab_dimension():
         linear_cross_entropy(x, labels, np.ascontiguousarray(w.T), w_layout="vh", implementation="reference",
                              in_specs=(P("data", None, None), P("model", None)))
     assert ce_core.CONTRACT_VERSION == 3
+
+
+# --- pallas_tpu: the race-checked TPU interpreter on a 2 x 2 mesh --------------------------------
+
+
+@pytest.mark.parametrize("feature", FEATURES[:3], ids=str)
+@pytest.mark.parametrize("placement", ["local", "explicit", "auto_stated", "wrapper"])
+def test_pallas_tpu_features_in_the_tpu_interpreter(monkeypatch, placement, feature):
+    """The kernels' [V, H] blocks, argmax and row scale through the public API, per shard."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
+    jax.clear_caches()
+    x, labels, w_hv = random_problem(11, (B, S), 136, 300)  # H and the vocab shards not multiples of 128
+    w = w_hv if feature.layout == "hv" else np.ascontiguousarray(w_hv.T)
+    temperature = temperature_of(feature)
+    cotangent = np.random.default_rng(4).standard_normal((B, S)).astype(np.float32)
+    (_, outputs), (dx, dw) = run_placement(placement, "pallas_tpu", feature, x, labels, w, temperature, cotangent,
+                                           mesh_shape=(2, 2))
+    want = oracle(x, labels, w_hv, reduction=feature.reduction, logit_soft_cap=feature.cap, temperature=temperature,
+                  cotangent=cotangent if feature.reduction == "none" else None)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    assert max_rel_error(outputs[0], want["loss"]) < 1e-4
+    assert max_rel_error(dx, want["dx"]) < 1e-4
+    assert max_rel_error(dw, want["dw"] if feature.layout == "hv" else want["dw"].T) < 1e-4
+    np.testing.assert_array_equal(outputs[-1], expected_argmax(x, labels, w_hv, feature.cap, temperature))
+    assert interpret_pallas_call.races is not None and not interpret_pallas_call.races.races_found
