@@ -52,3 +52,16 @@ def test_schedule_reports_each_kernel_against_its_mxu_minimum(tmp_path: Path,
 def test_schedule_rejects_a_generation_libtpu_cannot_profile() -> None:
     with pytest.raises(SystemExit):
         cli.main(["schedule", "--target", "v4"])
+
+
+def test_schedule_takes_a_tied_head_the_argmax_and_the_rl_objective(tmp_path: Path) -> None:
+    """The variants issue 23 and 25 measure: each row says which it is, and each kernel schedules."""
+    json_path = tmp_path / "schedule.json"
+    code = cli.main(["schedule", "--target", "v5e", "--shapes", f"{N}x{H}x{V}", "--json", str(json_path),
+                     "--quiet", "--w-layout", "vh", "--argmax", "--objective", "rl"])
+    assert code == 0
+    records = json.loads(json_path.read_text())
+    assert [(r["kernel"], r["variant"]) for r in records] == [("forward", "vh+argmax+rl"), ("backward", "vh+rl")]
+    for record in records:
+        assert record["error"] is None, record
+        assert record["cycles_per_step"] > record["mxu_cycles_per_step"]

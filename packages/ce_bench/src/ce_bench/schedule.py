@@ -17,6 +17,8 @@ SCHEDULE_TARGETS = ("v5e", "v5p", "v6e", "tpu7x")
 #: The shapes of issue 11: Llama-3 8B's head at 8k tokens, and a Qwen vocabulary at 32k tokens.
 DEFAULT_SCHEDULE_SHAPES = ("llama3-8b", "32768x2048x151936")
 KERNELS = ("forward", "backward")
+#: ``--objective``: the plain loss, or the RL statistics (log-probs and entropy).
+OBJECTIVES = ("loss", "rl")
 
 
 class ScheduleUnavailableError(RuntimeError):
@@ -24,9 +26,15 @@ class ScheduleUnavailableError(RuntimeError):
 
 
 def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequence[str] = KERNELS,
-                 *, w_dtype: str | None = None, precision: str | None = None,
-                 quiet: bool = False) -> list[dict[str, Any]]:
-    """One record (a JSON object) per shape and kernel, in that order."""
+                 *, w_dtype: str | None = None, precision: str | None = None, w_layout: str = "hv",
+                 argmax: bool = False, objective: str = "loss", quiet: bool = False) -> list[dict[str, Any]]:
+    """One record (a JSON object) per shape and kernel, in that order.
+
+    ``w_layout="vh"`` schedules a ``[V, H]`` head, ``argmax`` the forward with ``return_argmax``,
+    ``objective="rl"`` the kernels of ``linear_log_probs(return_entropy=True)`` (the expected logit).
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     try:
         from ce_pallas_tpu.tooling import schedule
     except ImportError as error:
@@ -36,7 +44,8 @@ def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequ
     if importlib.util.find_spec("libtpu") is None:
         raise ScheduleUnavailableError("the schedule needs libtpu: pip install 'ce-pallas-tpu[tpu]' (Linux x86-64)")
     jobs = [schedule.Job(kernel, shape.n, shape.h, shape.v, x_dtype=dtype, w_dtype=w_dtype or dtype,
-                          precision=precision)
+                          precision=precision, w_layout=w_layout, with_argmax=argmax and kernel == "forward",
+                          with_expected=objective == "rl")
             for shape in shapes for kernel in kernels]
     records = [record.to_json() for record in schedule.measure(target, jobs, quiet=quiet)]
     for record, shape in zip(records, [shape for shape in shapes for _ in kernels], strict=True):
@@ -62,19 +71,21 @@ def _number(value: float | None, digits: int = 0) -> str:
 def schedule_table(records: Sequence[dict[str, Any]], fmt: str = "text") -> str:
     """Per kernel: tiles, grid, cycles and bundles per step, the MXU minimum, their ratio, HBM vs MXU time."""
     notes = _Notes()
-    headers = ["target", "shape (N x H x V)", "x/w dtype", "kernel", "tiles b/h/v", "grid", "cycles/step",
+    headers = ["target", "shape (N x H x V)", "x/w dtype", "kernel", "variant", "tiles b/h/v", "grid", "cycles/step",
                "bundles/step", "MXU min", "ratio", "HBM us/step", "MXU us/step", "est. kernel ms"]
     rows = []
     for record in records:
         if record.get("error"):
-            rows.append([record["generation"], record["shape"], _dtypes(record), record["kernel"], "-", "-",
+            rows.append([record["generation"], record["shape"], _dtypes(record), record["kernel"],
+                         record.get("variant") or "plain", "-", "-",
                          "failed" + notes.ref(record["error"]), *["-"] * 6])
             continue
         grid = "x".join(str(d) for d in record["grid"])
         kernel_ms = max(record["kernel_us"], record["hbm_floor_us"]) / 1e3
-        rows.append([record["generation"], record["shape"], _dtypes(record), record["kernel"], _tiles(record), grid,
+        rows.append([record["generation"], record["shape"], _dtypes(record), record["kernel"],
+                     record.get("variant") or "plain", _tiles(record), grid,
                      _number(record["cycles_per_step"]), _number(record["bundles_per_step"]),
                      _number(record["mxu_cycles_per_step"]), f"{record['ratio']:.3f}",
                      _number(record["hbm_us_per_step"], 2), _number(record["mxu_us_per_step"], 2),
                      _number(kernel_ms, 2)])
-    return _render(headers, rows, notes, fmt, right={6, 7, 8, 9, 10, 11, 12})
+    return _render(headers, rows, notes, fmt, right={7, 8, 9, 10, 11, 12, 13})

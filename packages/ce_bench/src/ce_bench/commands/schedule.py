@@ -14,7 +14,7 @@ from ce_bench.commands import common
 
 def schedule_parser() -> argparse.ArgumentParser:
     """The parser of ``ce-bench schedule``."""
-    from ce_bench.schedule import DEFAULT_SCHEDULE_SHAPES, KERNELS, SCHEDULE_TARGETS
+    from ce_bench.schedule import DEFAULT_SCHEDULE_SHAPES, KERNELS, OBJECTIVES, SCHEDULE_TARGETS
 
     parser = argparse.ArgumentParser(
         prog="ce-bench schedule",
@@ -29,6 +29,11 @@ def schedule_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default=None, choices=("default", "highest"),
                         help="MXU precision of the kernels' products (default: the backend's default)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated: forward, backward")
+    parser.add_argument("--w-layout", default="hv", choices=("hv", "vh"),
+                        help="layout of the head: hv is [H, V], vh is [V, H] (a tied embedding)")
+    parser.add_argument("--argmax", action="store_true", help="the forward with return_argmax=True")
+    parser.add_argument("--objective", default="loss", choices=OBJECTIVES,
+                        help="loss: the plain loss; rl: linear_log_probs with the entropy (the expected logit)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
     parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -55,7 +60,8 @@ def main(argv: Sequence[str]) -> int:
     start = time.perf_counter()
     try:
         records = schedule.run_schedule(args.target, shapes, x_dtype, kernels, w_dtype=w_dtype,
-                                        precision=args.precision, quiet=args.quiet)
+                                        precision=args.precision, w_layout=args.w_layout, argmax=args.argmax,
+                                        objective=args.objective, quiet=args.quiet)
     except schedule.ScheduleUnavailableError as error:
         print(f"ce-bench schedule: {error}", file=sys.stderr)
         return 1

@@ -47,7 +47,7 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str,
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
     x = operand((cfg.n, cfg.hidden), x_dtype)
-    w = operand((cfg.hidden, cfg.v), w_dtype)
+    w = operand((cfg.v, cfg.hidden) if cfg.w_layout == "vh" else (cfg.hidden, cfg.v), w_dtype)
     labels = operand((cfg.n, 1), jnp.int32)
     if kernel == "forward":
         assert isinstance(cfg, ForwardConfig), cfg

@@ -25,10 +25,22 @@ class Job:
     with_sum: bool = False
     with_expected: bool = False  # the entropy's extra statistic (linear_log_probs(return_entropy=True))
     precision: str | None = None
+    w_layout: str = "hv"  # "vh": a [V, H] head (tied embedding)
+    with_argmax: bool = False  # the forward also tracks each row's argmax (return_argmax=True)
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.w_layout not in ("hv", "vh"):
+            raise ValueError(f"w_layout must be 'hv' or 'vh', got {self.w_layout!r}")
+
+    @property
+    def variant(self) -> str:
+        """What the job asks beyond the plain loss, in words (``""`` for the plain loss)."""
+        parts = [name for name, on in (("vh", self.w_layout == "vh"), ("argmax", self.with_argmax),
+                                       ("rl", self.with_expected), ("sum", self.with_sum),
+                                       ("cap", self.logit_soft_cap is not None)) if on]
+        return "+".join(parts)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Job:
@@ -56,6 +68,7 @@ class KernelSchedule:
     w_dtype: str
     tiles: tuple[int, int, int] | None = None  # block_b, block_h, block_v as the kernel uses them
     w_buffers: int | None = None  # the backward's w/dw buffers
+    variant: str = ""  # Job.variant: "" for the plain loss, else e.g. "vh+argmax" or "rl"
     grid: tuple[int, ...] | None = None  # the kernel's full grid
     cores: int | None = None
     steps_per_core: int | None = None

@@ -30,7 +30,8 @@ def _config(job: Job) -> Any:
     from ce_core import StatsSpec
     from ce_pallas_tpu.tooling.schedule.programs import kernel_config
 
-    spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum, with_expected=job.with_expected)
+    spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum, with_expected=job.with_expected,
+                     w_layout=job.w_layout, with_argmax=job.with_argmax)
     if job.precision is not None:
         spec = dataclasses.replace(spec, precision=job.precision)
     return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers)
@@ -78,7 +79,8 @@ def block_bytes_per_step(job: Job, cfg: Any) -> float:
 
 def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> KernelSchedule:
     """The schedule of one job (errors are recorded, not raised)."""
-    record = KernelSchedule(generation, job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype)
+    record = KernelSchedule(generation, job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype,
+                            variant=job.variant)
     start = time.perf_counter()
     try:
         cfg = _config(job)
