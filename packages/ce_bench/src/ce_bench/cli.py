@@ -7,6 +7,7 @@ print the table, write JSON and a PNG.
     ce-bench aot --target v4|v5e|v5p|v6e|tpu7x [--shapes ...] [--dtype bfloat16] ...
     ce-bench schedule --target v5e|v5p|v6e|tpu7x [--shapes ...] [--kernels forward,backward] ...
     ce-bench tune --target v5e|v5p|v6e|tpu7x [--buckets llama3,huge_batch] [--candidates 3] [--write]
+    ce-bench tied [--target v5e|v5p|v6e|tpu7x] [--shapes rl-qwen2.5-1.5b,llama3-8b] [--implementation NAME]
     ce-bench sharding [--backends ...] [--shapes llama3-8b] [--meshes 1x1,8x1,2x4,1x8]
                       [--calls wrapper,explicit,auto,auto_stated] [--time REPEATS]
     ce-bench report RESULTS.json [...] [--plot PATH] [--format markdown]

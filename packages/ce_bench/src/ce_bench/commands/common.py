@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, str] = {
     "aot": "compile for a TPU generation without a TPU (libtpu): HBM temporaries and block sizes",
     "schedule": "libtpu's static schedule of the pallas_tpu kernels per grid step (no TPU needed)",
     "tune": "choose pallas_tpu's tiles per shape bucket from static schedules; --write regenerates its table",
+    "tied": "a head tied to the input embedding: passed as the table, transposed or untied (compile only)",
     "sharding": "per-device temporary memory of the sharded loss on simulated device meshes",
     "report": "the table (and PNG) again, from JSON files of earlier runs",
     "list": "presets and the backends available here",
