@@ -27,6 +27,16 @@ def test_explicit_shapes_and_defaults() -> None:
     assert presets.PRESETS["qwen3"].v == 151936 and presets.PRESETS["gemma3"].v == 262144
 
 
+def test_models_group_is_every_head_at_both_token_counts() -> None:
+    shapes = presets.parse_shapes("models,tiny", reduced_for_cpu=True)
+    assert len(shapes) == 2 * len(presets.MODEL_HEADS) + 1
+    by_name = {s.name: (s.n, s.h, s.v) for s in shapes}
+    assert by_name["llama3-70b@16k"] == (16384, 8192, 128256)
+    assert by_name["qwen2.5-0.5b@4k"] == (4096, 896, 151936)
+    assert by_name["gemma2-2b@4k"] == (4096, 2304, 256000)
+    assert {h for _, _, h, _ in presets.SHAPE_GROUPS["models"]} >= {896, 1024, 1536, 2304, 3584, 4096, 8192}
+
+
 @pytest.mark.parametrize("bad", ["nope", "0x4x4", "3x4"])
 def test_bad_shapes_are_value_errors(bad: str) -> None:
     with pytest.raises(ValueError, match="shape"):

@@ -54,6 +54,25 @@ PRESETS: dict[str, Preset] = {
     )
 }
 
+#: Model heads ``(name, H, V)`` of the ``models`` shape group (sources: each model's ``config.json``).
+MODEL_HEADS: tuple[tuple[str, int, int], ...] = (
+    ("llama3-8b", 4096, 128256),
+    ("llama3-70b", 8192, 128256),
+    ("qwen2.5-0.5b", 896, 151936),
+    ("qwen2.5-1.5b", 1536, 151936),
+    ("qwen2.5-7b", 3584, 152064),
+    ("qwen3-0.6b", 1024, 151936),
+    ("gemma2-2b", 2304, 256000),
+    ("gemma2-9b", 3584, 256000),
+)
+#: Tokens per device of the ``models`` group: a short and a long step.
+MODEL_TOKENS: tuple[int, ...] = (4096, 16384)
+#: Named lists of shapes for ``--shapes``: ``models`` is every head of :data:`MODEL_HEADS` at every
+#: token count of :data:`MODEL_TOKENS` (issue 25's matrix).
+SHAPE_GROUPS: dict[str, tuple[tuple[str, int, int, int], ...]] = {
+    "models": tuple((f"{name}@{n // 1024}k", n, h, v) for name, h, v in MODEL_HEADS for n in MODEL_TOKENS),
+}
+
 #: What ``ce-bench`` times with no ``--shapes`` (about half a minute on a 2-core CPU).
 DEFAULT_RUN_SHAPES: tuple[str, ...] = ("tiny", "small")
 #: What ``ce-bench`` also compiles with no ``--shapes``, at full N and without running it: the shape
@@ -97,7 +116,8 @@ def parse_shapes(spec: str | None, *, reduced_for_cpu: bool, default: tuple[str,
     """Shapes from a comma-separated list of preset names and ``NxHxV`` triples.
 
     Args:
-      spec: e.g. ``"small,llama3-8b,2048x1024x32000"``; ``None`` or empty for ``default``.
+      spec: e.g. ``"small,llama3-8b,2048x1024x32000"``, or a group of :data:`SHAPE_GROUPS` such as
+        ``"models"``; ``None`` or empty for ``default``.
       reduced_for_cpu: use each preset's ``cpu_n`` (and say so in the shape's ``note``).
       default: preset names used when ``spec`` is empty.
       tokens: override N of every preset (explicit ``NxHxV`` triples keep their own N).
@@ -115,11 +135,15 @@ def parse_shapes(spec: str | None, *, reduced_for_cpu: bool, default: tuple[str,
                 raise ValueError(f"shape {item!r}: N, H and V must be positive")
             shapes.append(Shape(n, h, v, name=f"{n}x{h}x{v}"))
             continue
+        if item.lower() in SHAPE_GROUPS:
+            shapes.extend(Shape(n, h, v, name=name) for name, n, h, v in SHAPE_GROUPS[item.lower()])
+            continue
         preset = PRESETS.get(item.lower())
         if preset is None and _DIMENSIONS_LIKE.match(item):
             raise ValueError(f"malformed shape {item!r}: use NxHxV, three positive integers such as 2048x1024x32000")
         if preset is None:
-            raise ValueError(f"unknown shape {item!r}: use NxHxV or one of the presets {sorted(PRESETS)}")
+            raise ValueError(f"unknown shape {item!r}: use NxHxV, one of the presets {sorted(PRESETS)} or a group "
+                             f"{sorted(SHAPE_GROUPS)}")
         n, note = preset.n, ""
         if tokens is not None:
             n, note = tokens, f"N set to {tokens} (preset N={preset.n})"
