@@ -222,7 +222,7 @@ def test_sharding_on_a_tpu_topology_compiles_without_a_tpu(tmp_path: Path, monke
 
 # --- the command line's contract: help, usage errors, exit statuses, progress bar ---------------
 
-SUBCOMMAND_NAMES = ("run", "aot", "schedule", "tune", "sharding", "report", "list")
+SUBCOMMAND_NAMES = ("run", "aot", "schedule", "tune", "tied", "sharding", "report", "list")
 
 
 def test_help_lists_every_subcommand_with_a_description(capsys: pytest.CaptureFixture[str]) -> None:
