@@ -122,7 +122,10 @@ def _hidden_chunks(cfg: BackwardConfig) -> list[pl.Slice]:
 
 
 def _dx_rows(dxp_hbm, dx_buf, sems, core, i, cfg: BackwardConfig) -> _DxRows:
-    rows = pl.ds(pl.multiple_of(i * cfg.block_b, cfg.block_b), cfg.block_b)
+    # One token block is the whole of N, which need not be a multiple of 8: its rows start at the
+    # static 0 (Mosaic cannot prove i * N aligned to the 8-row tiles, though i is always 0 then).
+    start = 0 if cfg.nb == 1 else pl.multiple_of(i * cfg.block_b, cfg.block_b)
+    rows = pl.ds(start, cfg.block_b)
     slot = i % 2
     read = pltpu.make_async_copy(dxp_hbm.at[core, rows], dx_buf.at[slot], sems.at[0])
     write = pltpu.make_async_copy(dx_buf.at[slot], dxp_hbm.at[core, rows], sems.at[1])

@@ -24,6 +24,16 @@ FORWARD_TEMPORARIES = 7
 BACKWARD_TEMPORARIES = 8
 #: Internal scratch and small buffers Mosaic adds to every kernel.
 FIXED_BYTES = 1536 * 1024
+#: bf16 pieces Mosaic splits each float32 operand of a product into at "high"/"highest" precision
+#: (it keeps them in VMEM beside the operand: 6 more bytes per element).
+F32_SPLIT_PIECES = 3
+
+
+def _split_bytes(shape: Shape, *operands: tuple[int, int]) -> int:
+    """VMEM for the bf16 pieces of float32 product operands ``(rows, cols)`` (0 for bf16 products)."""
+    if shape.mm_bytes != 4:
+        return 0
+    return sum(F32_SPLIT_PIECES * _tile(rows, cols, 2) for rows, cols in operands)
 
 
 def _tile(rows: int, cols: int, itemsize: int) -> int:
@@ -82,6 +92,7 @@ def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, sin
     else:
         total += 2 * (stats + 1) * _tile(block_b, LANES, 4)  # two slots of the same per row and lane
     total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(block_b, columns, 4)
+    total += _split_bytes(shape, (block_b, block_h), (block_h, columns))
     return total
 
 
@@ -101,6 +112,7 @@ def backward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, si
     total += temporaries * _tile(block_b, block_v, 4)
     total += _tile(block_b, block_v, shape.mm_bytes)  # delta in the matmul dtype
     total += _tile(block_h, block_v, 4) + _tile(block_b, block_h, 4)  # one chunk's products
+    total += _split_bytes(shape, (block_b, shape.hp), (shape.hp, block_v), (block_b, block_v))
     return total
 
 
