@@ -134,3 +134,34 @@ def test_interpret_mode_is_refused_when_compiling_for_a_deviceless_tpu(monkeypat
     result = aot.compile_loss_and_grads("v5p", 256, 128, 1024, raise_errors=False)
     assert not result.ok and result.error is not None
     assert "CE_PALLAS_TPU_INTERPRET" in result.error and "not attached" in result.error
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+def test_llama3_with_argmax_a_tied_head_and_row_scales_keeps_the_tuned_tiles(generation):
+    """The v3 features add only per-row state: the tuned entry stays (no slower inferred tiles) and compiles."""
+    import jax
+
+    n, h, v = REAL_SHAPES[0]
+    bf16 = jnp.dtype(jnp.bfloat16)
+    spec = ce_core.StatsSpec(logit_soft_cap=30.0, w_layout="vh", with_argmax=True, with_row_scale=True)
+    with aot.compiling_for(generation):
+        report = ce_core.get_backend("pallas_tpu").block_sizes_for(ce_core.Problem(n, h, v, bf16, bf16, spec))
+        assert report is not None and report.source == f"table:{generation}/llama3"
+    temperature = jnp.linspace(0.5, 1.5, n, dtype=jnp.float32)
+
+    def loss(x, w, labels):
+        return ce_core.linear_cross_entropy(x, labels, w, implementation="pallas_tpu", w_layout="vh",
+                                            logit_soft_cap=30.0, temperature=temperature, return_argmax=True)
+
+    def compile_fn():
+        with aot.compiling_for(generation) as device:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            args = (jax.ShapeDtypeStruct((n, h), bf16, sharding=sharding),
+                    jax.ShapeDtypeStruct((v, h), bf16, sharding=sharding),
+                    jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding))
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)).lower(*args).compile()
+
+    from ce_core.extend import compile_program
+
+    _, result = compile_program(compile_fn)
+    assert result.ok and result.temp_bytes is not None and result.temp_bytes <= hbm_bound(n, h, v)
