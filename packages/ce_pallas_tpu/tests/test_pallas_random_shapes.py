@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,7 @@ def hbm_bound(generation: str, n: int, h: int, v: int) -> int:
 
 
 def _compile(problem: RandomProblem):
-    options = dict(problem.options)
+    options: dict[str, Any] = dict(problem.options)
     argmax = bool(options.pop("return_argmax", False))
     w_shape = (problem.h, problem.v) if problem.w_layout == "hv" else (problem.v, problem.h)
 
