@@ -19,7 +19,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 from ce_core import BlockSizes, StatsSpec
-from ce_core.testing import random_problem, stats_oracle
+from ce_core.extend import random_problem, stats_oracle
 from ce_pallas_tpu import ops
 
 N, H, V = 77, 200, 700  # ragged against blocks of 32 tokens and 128/256 columns; H pads to 256
