@@ -211,7 +211,9 @@ class Checks:
         check("vh loss", loss, self.expected["loss"], LOSS_TOL)
         check("vh dx", dx, self.expected["dx"], GRAD_TOL)
         check("vh dw", dw, self.expected["dw"].T, GRAD_TOL)
-        z = OPTIONS["logit_soft_cap"] * np.tanh(self.x.astype(np.float64) @ self.w / OPTIONS["logit_soft_cap"])
+        cap = OPTIONS.get("logit_soft_cap")
+        assert cap is not None
+        z = cap * np.tanh(self.x.astype(np.float64) @ self.w / cap)
         want = np.where(self.labels != -100, np.argmax(z, -1), -1)
         assert (gathered(argmax) == want).all(), "vh argmax"
 

@@ -130,11 +130,11 @@ def run_placement(placement: str, backend: str, feature: Feature, x, labels, w, 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data"), w_spec(feature.layout), t_spec),
                                out_specs=out_specs)
 
-        def fn(x_, w_):
+        def mapped_fn(x_, w_):
             t_ = jnp.ones((B, S)) if t_arg is None else t_arg
             return objective_of(mapped(x_, labels, w_, t_))
 
-        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+        step = jax.jit(jax.value_and_grad(mapped_fn, argnums=(0, 1), has_aux=True))
         return step(jax.device_put(x, NamedSharding(mesh, P("data"))),
                     jax.device_put(w, NamedSharding(mesh, w_spec(feature.layout))))
 
@@ -331,7 +331,8 @@ def test_log_probs_with_vh_and_per_token_temperature(backend_name, placement):
     w = np.ascontiguousarray(w_hv.T)
     t = np.random.default_rng(3).uniform(0.5, 2.0, (B, 1)).astype(np.float32)
     g_logp, g_ent = np.random.default_rng(4).standard_normal((2, B, S)).astype(np.float32)
-    options = dict(w_layout="vh", logit_soft_cap=2.5, return_entropy=True, implementation=backend_name)
+    options: dict[str, Any] = dict(w_layout="vh", logit_soft_cap=2.5, return_entropy=True,
+                                   implementation=backend_name)
 
     def objective(logp, entropy):
         return jnp.sum(g_logp * logp) + jnp.sum(g_ent * entropy), (logp, entropy)
