@@ -121,8 +121,7 @@ def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool) -
     return KernelTiles(block_b, block_h, block_v, tiles.w_buffers if backward else None)
 
 
-def _entry_fits(shape: Shape, bucket: str, forward: KernelTiles[int], backward: KernelTiles[int],
-                target: Target) -> bool:
+def _entry_fits(shape: Shape, bucket: str, entry: TunedEntry, w_buffers: int | None, target: Target) -> bool:
     """Whether a table entry fits this problem: by the VMEM model, within the target's budget or no more
     than at its bucket's example shape (where libtpu compiled it; the model over-estimates, so a
     compiled entry may exceed the budget by the model)."""
@@ -133,14 +132,17 @@ def _entry_fits(shape: Shape, bucket: str, forward: KernelTiles[int], backward: 
     # against the plain example, as before.
     example = dataclasses.replace(bucket_example(bucket), with_argmax=shape.with_argmax,
                                   with_row_scale=shape.with_row_scale)
-    single_w = backward.w_buffers != 2
+    single_w = w_buffers != 2
 
+    # Each problem with the entry's tiles fitted to it (a whole hidden dimension is the problem's own).
     def forward_bytes(problem: Shape) -> int:
+        forward = fit_tiles(problem, entry.forward, backward=False)
         return cost_model.forward_bytes(problem, forward.block_b, forward.block_h, forward.block_v,
                                         mxu_side=mxu_side)
 
     def backward_bytes(problem: Shape) -> int:
-        return cost_model.backward_bytes(problem, *backward.sizes, single_w=single_w)
+        return cost_model.backward_bytes(problem, *fit_tiles(problem, entry.backward, backward=True).sizes,
+                                         single_w=single_w)
 
     return forward_bytes(shape) <= max(budget, forward_bytes(example)) and backward_bytes(shape) <= max(
         budget, backward_bytes(example)
@@ -215,7 +217,7 @@ def _table_tiles(shape: Shape, target: Target) -> Tiles | None:
     backward = fit_tiles(shape, entry.backward, backward=True)
     for w_buffers in dict.fromkeys((backward.w_buffers, 1)):  # the entry's buffers, else one
         backward = dataclasses.replace(backward, w_buffers=w_buffers)
-        if _entry_fits(shape, bucket, forward, backward, target):
+        if _entry_fits(shape, bucket, entry, w_buffers, target):
             return Tiles(forward, backward, f"table:{target.generation}/{bucket}")
     return None
 
