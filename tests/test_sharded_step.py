@@ -527,3 +527,53 @@ def test_log_probs_and_the_wrapper_compile_under_auto_axes_for_a_v5p_topology(mo
         arg((h, v), jnp.bfloat16, w_spec)).compile()
     assert_within_the_auto_axes_bound(compiled, "pallas_tpu", 1 if call == "log_probs_default" else 2,
                                       gathers_w=call == "log_probs_default")
+
+
+#: how the v3 features' step is placed -> (axis types, stated in_specs?, inside jax.set_mesh?)
+V3_PLACEMENTS = {"explicit": (AxisType.Explicit, False, True), "auto_default": (AxisType.Auto, False, False),
+                 "auto_stated": (AxisType.Auto, True, True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
+@pytest.mark.parametrize("placement", V3_PLACEMENTS)
+def test_tied_head_argmax_and_per_token_temperature_compile_for_a_v5p_topology(monkeypatch, v5p_2x2x1, backend,
+                                                                               placement):
+    """A tied ``[V, H]`` head split over vocab, the token argmax and a per-token temperature under a soft
+    cap, value_and_grad, compiled by libtpu for 4 v5p chips at Llama-3 scale, in each placement.
+
+    The bound is the plain call's (``4HV/k + 8(N/d)H + 64 MiB``); nothing but ``w`` may be gathered,
+    and ``w`` only under the Auto-axes default (which runs it whole).
+    """
+    monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    axis_type, stated, set_mesh = V3_PLACEMENTS[placement]
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_type,) * 2, devices=v5p_2x2x1)
+    n, h, v = AOT_N, AOT_H, AOT_V
+    x_spec, w_spec = P("data", None), P("model", None)
+
+    def arg(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    def objective(x_, y_, w_, temperature):
+        loss, argmax = linear_cross_entropy(x_, y_, w_, w_layout="vh", return_argmax=True, logit_soft_cap=30.0,
+                                            temperature=temperature, implementation=backend,
+                                            in_specs=(x_spec, w_spec) if stated else None)
+        return loss, argmax
+
+    context = jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext()
+    with context:
+        compiled = jax.jit(jax.value_and_grad(objective, argnums=(0, 2), has_aux=True)).lower(
+            arg((n, h), jnp.bfloat16, x_spec), arg((n,), jnp.int32, P("data")),
+            arg((v, h), jnp.bfloat16, w_spec), arg((n,), jnp.float32, P("data"))).compile()
+    hlo = compiled.as_text()
+    assert hlo is not None
+    vocab_split = 1 if placement == "auto_default" else 2
+    bound = 4 * h * v / vocab_split + 8 * (n / 2) * h + 64 * 2**20
+    memory = compiled.memory_analysis()
+    assert memory is not None
+    temp = memory.temp_size_in_bytes
+    assert temp <= bound, f"{temp / 2**20:.0f} MiB of temporaries per device > {bound / 2**20:.0f} MiB"
+    assert gathers_beyond(hlo, (n // 2, h), (v, h)) == [], all_gathers(hlo)
+    assert all_gathers(hlo) == ([(v, h)] if placement == "auto_default" else []), all_gathers(hlo)
+    assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")
