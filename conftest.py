@@ -22,6 +22,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # about the absent TPU host in every test process.
 quiet_libtpu_without_tpu()
 
+# The user's own tile cache (ce_pallas_tpu.tile_cache) must not steer the tests' tiles: the tests that
+# exercise it point it at their own temporary file.
+os.environ["CE_PALLAS_TPU_TILE_CACHE"] = "off"
+
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICE_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()

@@ -2,7 +2,9 @@
 
 The search lives in :mod:`ce_pallas_tpu.tooling.tune`; this module runs it for the buckets asked for,
 prints every measured candidate and the winners, and with ``write`` re-renders the generated table
-:mod:`ce_pallas_tpu.tuned` bucket by bucket (an interrupted run keeps what it finished).
+:mod:`ce_pallas_tpu.tuned` bucket by bucket (an interrupted run keeps what it finished). For a user's
+own problems (:func:`run_tune_problems`) it writes the winners to the user's tile cache
+(:mod:`ce_pallas_tpu.tile_cache`) instead, problem by problem.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class TuneUnavailableError(RuntimeError):
 
 @dataclasses.dataclass
 class TuneReport:
-    """Every measured candidate (one JSON object each), the buckets left as they were, and the table path."""
+    """Every measured candidate (one JSON object each), the buckets (or problems) left as they were, and
+    the path written (the table, or the tile cache)."""
 
     rows: list[dict[str, Any]]
     failed: list[str]
@@ -60,6 +63,69 @@ def libtpu_version() -> str:
         return "unknown"
 
 
+def _require_libtpu() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise TuneUnavailableError("tuning needs libtpu: pip install 'ce-pallas-tpu[tpu]' (Linux x86-64)")
+
+
+def _rows_of(choices: dict[str, Any], label: str) -> list[dict[str, Any]]:
+    """One JSON object per measured candidate of each kernel's choice."""
+    from ce_pallas_tpu.tooling import tune
+
+    rows = []
+    for choice in choices.values():
+        for tiles, record in choice.measured:
+            row = record.to_json()
+            row.update(bucket=label, w_buffers=tiles.w_buffers, chosen=tiles == choice.tiles,
+                       incumbent=choice.incumbent is not None and tune.same_tiles(tiles, choice.incumbent),
+                       estimated_us=tune.estimated_us(record) if record.error is None else None)
+            rows.append(row)
+    return rows
+
+
+def run_tune_problems(target: str, problems: Sequence[Any], kernels: Sequence[str] = KERNELS,
+                      candidates: int = 3, *, cache: Path | None, quiet: bool = False) -> TuneReport:
+    """Tune each user problem (a :class:`ce_pallas_tpu.tooling.tune.Problem`) on ``target`` and, with a
+    ``cache`` path, write the winners there (the user's tile cache), one entry per problem.
+
+    A kernel not in ``kernels``, or one that could not be measured, keeps the tiles the backend runs
+    for the problem today (cached, table or inferred), without figures.
+    """
+    _require_libtpu()
+    try:
+        from ce_pallas_tpu import tile_cache
+        from ce_pallas_tpu.tooling import tune
+    except ImportError as error:
+        raise TuneUnavailableError(f"tuning needs ce-pallas-tpu[tpu] ({error})") from error
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    path = None
+    for problem in problems:
+        label = f"{problem.n}x{problem.h}x{problem.v}"
+        _log(f"{target} {label} ({problem.x_dtype}/{problem.w_dtype}, {problem.objective}):")
+        choices: dict[str, Any] = {}
+        failures: dict[str, str] = {}
+        for kernel in kernels:
+            try:
+                choices[kernel] = tune.tune_kernel(target, None, kernel, problem=problem, max_candidates=candidates,
+                                                   quiet=quiet, log=_log)
+            except tune.TuneError as error:
+                _log(f"  {label}: {error}; its {kernel} tiles stay as the backend chooses them")
+                failures[kernel] = str(error)
+        rows += _rows_of(choices, label)
+        if not choices:
+            failed.append(label)
+            continue
+        if cache is not None:
+            today = tune.planned_entry(target, problem)
+            entry = tune.entry_from(choices, today, {kernel: _reason(text) for kernel, text in failures.items()})
+            path = tile_cache.write_entries([tile_cache.make_entry(problem.cache_key(target), entry)], cache)
+            _log(f"  {label}: written to {path}")
+    return TuneReport(rows, failed, path)
+
+
 def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNELS, candidates: int = 3, *,
              write: bool = False, shape: tuple[int, int, int] | None = None, quiet: bool = False) -> TuneReport:
     """Tune each bucket's kernels on ``target``; ``write``: re-render the table after each bucket (a
@@ -67,10 +133,7 @@ def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNE
 
     ``shape`` replaces every bucket's example shape (tests); it cannot be written.
     """
-    import importlib.util
-
-    if importlib.util.find_spec("libtpu") is None:
-        raise TuneUnavailableError("tuning needs libtpu: pip install 'ce-pallas-tpu[tpu]' (Linux x86-64)")
+    _require_libtpu()
     try:
         from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, tuned_table
         from ce_pallas_tpu.tooling import tune
@@ -96,13 +159,7 @@ def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNE
         if not choices:
             failed.append(bucket)
             continue
-        for choice in choices.values():
-            for tiles, record in choice.measured:
-                row = record.to_json()
-                row.update(bucket=bucket, w_buffers=tiles.w_buffers, chosen=tiles == choice.tiles,
-                           incumbent=choice.incumbent is not None and tune.same_tiles(tiles, choice.incumbent),
-                           estimated_us=tune.estimated_us(record) if record.error is None else None)
-                rows.append(row)
+        rows += _rows_of(choices, bucket)
         if write:
             previous = tuned_table().get((target, bucket))
             kept = [kernel for kernel in KERNELS if kernel not in kernels]  # not asked for: as they were

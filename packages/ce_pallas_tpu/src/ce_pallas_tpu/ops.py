@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import PassTiles, RowStats, StatsSpec, TileReport
-from ce_pallas_tpu import tiling
+from ce_pallas_tpu import tile_cache, tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
 from ce_pallas_tpu.cost_model import Shape
@@ -30,7 +30,7 @@ class Plan:
     """Everything static about one row-statistics call (hashable: a custom_vjp static argument).
 
     ``n``, ``h``, ``v``: the problem's sizes; each kernel's tiles are in its config (``block_b``,
-    ``block_h``, ``block_v``); ``source``: where the tiles came from (``table:<gen>/<bucket>``,
+    ``block_h``, ``block_v``); ``source``: where the tiles came from (``cache:<gen>``, ``table:<gen>/<bucket>``,
     ``inferred``, ``explicit``).
     """
 
@@ -102,7 +102,8 @@ def make_plan(
     """Tiles and kernel configurations for a problem on ``target`` (default: the current one, read now).
 
     Made once per problem and target: a call asks for it several times (the backend's check, the
-    forward, the backward), and every argument is hashable, so the plans are cached.
+    forward, the backward), and every argument is hashable, so the plans are cached (the user's tile
+    cache, :mod:`ce_pallas_tpu.tile_cache`, is read when a problem is first planned in a process).
     """
     target = current_target() if target is None else target
     return _cached_plan(n, h, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec, target)
@@ -112,7 +113,9 @@ def make_plan(
 def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype, spec: StatsSpec,
                  target: Target) -> Plan:
     shape = problem_shape(n, h, v, x_dtype, w_dtype, spec)
-    tiles = tiling.resolve_tiles(shape, target, spec.block_sizes)
+    key = tile_cache.CacheKey(target.generation, n, h, v, x_dtype.name, w_dtype.name,
+                              "rl" if spec.with_expected else "loss")
+    tiles = tiling.resolve_tiles(shape, target, spec.block_sizes, tile_cache.lookup(key))
     interpret = interpret_params(target)
     limit = None if interpret else tiling.vmem_limit(target)
     common = _SharedConfig(

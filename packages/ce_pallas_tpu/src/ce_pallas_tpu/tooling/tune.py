@@ -1,15 +1,18 @@
 """Tile tuning without a TPU: compile candidate tiles, read their static schedules, keep the fastest.
 
-For one generation, one shape bucket (at the bucket's example shape, bfloat16) and one kernel:
+For one generation, one shape bucket (at the bucket's example shape, bfloat16) or one user problem
+(``N x H x V``, its dtypes and objective: the user's tile cache, :mod:`ce_pallas_tpu.tile_cache`),
+and one kernel:
 
-1. candidates: today's table entry first (so a retune never makes things worse), then token x
-   vocab blocks (the forward keeps ``x`` resident, the backward forms its ``dx``/``dw`` products in
-   512-row hidden chunks) whose analytic HBM time per step stays below their MXU time and whose
-   footprint by the VMEM model (:mod:`ce_pallas_tpu.cost_model`) is within reach. The model
-   over-estimates, so it only prefilters (:data:`VMEM_PREFILTER_SLACK`); libtpu's compile decides.
-   Ranked: comfortably compute-bound (HBM under :data:`HBM_COMFORT` of MXU time) with a step long
-   enough to hide the per-step cost (:data:`MIN_STEP_CYCLES`) first, then (forward) the longest
-   step up to :data:`FORWARD_LONG_STEP`, then the smallest footprint;
+1. candidates: today's tiles first (the table entry; for a user problem, what the backend would run;
+   so a retune never makes things worse), then token x vocab blocks (the forward keeps ``x``
+   resident, the backward forms its ``dx``/``dw`` products in 512-row hidden chunks) whose analytic
+   HBM time per step stays below their MXU time and whose footprint by the VMEM model
+   (:mod:`ce_pallas_tpu.cost_model`) is within reach. The model over-estimates, so it only
+   prefilters (:data:`VMEM_PREFILTER_SLACK`); libtpu's compile decides. Ranked: comfortably
+   compute-bound (HBM under :data:`HBM_COMFORT` of MXU time) with a step long enough to hide the
+   per-step cost (:data:`MIN_STEP_CYCLES`) first, then (forward) the longest step up to
+   :data:`FORWARD_LONG_STEP`, then the smallest footprint;
 2. each candidate is compiled alone at full size for the generation; a backward one with two
    ``w``/``dw`` buffers first, then with one. What libtpu refuses (VMEM) is dropped;
 3. the first ``max_candidates`` that compile are measured by :func:`ce_pallas_tpu.tooling.schedule.measure`;
@@ -17,7 +20,8 @@ For one generation, one shape bucket (at the bucket's example shape, bfloat16) a
 
 ``ce-bench tune --target <generation> [--write]`` runs this per bucket and, with ``--write``,
 re-renders :mod:`ce_pallas_tpu.tuned` (:func:`write_table`): the generation's entries replaced, the
-others kept.
+others kept. ``ce-bench tune --target <generation> --shapes NxHxV`` runs it per problem and writes the
+winners to the user's tile cache.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from typing import NamedTuple
 from ce_pallas_tpu.cost_model import Shape, backward_bytes, forward_bytes
 from ce_pallas_tpu.layout import LANES, round_up
 from ce_pallas_tpu.target import CHIP_FACTS, Target
+from ce_pallas_tpu.tile_cache import CacheKey, lookup
 from ce_pallas_tpu.tile_types import KernelTiles, TunedEntry
-from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, fit_tiles, tuned_table, vmem_limit
+from ce_pallas_tpu.tiling import BUCKET_EXAMPLES, fit_tiles, resolve_tiles, tuned_table, vmem_limit
 from ce_pallas_tpu.tooling import schedule
 from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS, mxu_cycles
 
@@ -71,13 +76,42 @@ NOTE_LIMIT = 200
 TUNED_MODULE = Path(__file__).parent / "tuned.py"
 
 
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What is tuned: ``N x H x V`` with the dtypes of ``x`` and ``w`` and the objective (``loss``, or
+    ``rl``: the log-probs with the entropy's expected logit)."""
+
+    n: int
+    h: int
+    v: int
+    x_dtype: str = "bfloat16"
+    w_dtype: str = "bfloat16"
+    objective: str = "loss"
+
+    @property
+    def shape(self) -> Shape:
+        """The problem as the tile rules see it (no cap, no sum, no argmax: the tuned case)."""
+        import numpy as np
+
+        return Shape(self.n, round_up(self.h, LANES), self.v, np.dtype(self.x_dtype).itemsize,
+                     np.dtype(self.w_dtype).itemsize, with_sum=False, capped=False,
+                     with_expected=self.objective == "rl")
+
+    def cache_key(self, generation: str) -> CacheKey:
+        return CacheKey(generation, self.n, self.h, self.v, self.x_dtype, self.w_dtype, self.objective)
+
+
 def example_problem(n: int, h: int, v: int) -> Shape:
     """A plain bfloat16 problem as the tile rules see it."""
-    return Shape(n, round_up(h, LANES), v, 2, 2, with_sum=False, capped=False)
+    return Problem(n, h, v).shape
+
+
+def _target(generation: str) -> Target:
+    return Target(generation, CHIP_FACTS[generation].num_cores, None)
 
 
 def _prefilter_bytes(generation: str) -> float:
-    return vmem_limit(Target(generation, CHIP_FACTS[generation].num_cores, None)) * VMEM_PREFILTER_SLACK
+    return vmem_limit(_target(generation)) * VMEM_PREFILTER_SLACK
 
 
 def _rank(hbm_share: float, cycles: float, need: int, *, few_rows: bool = False,
@@ -126,19 +160,20 @@ def backward_candidates(shape: Shape, generation: str) -> list[KernelTiles[int |
     return _ranked(options)
 
 
-def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles[int | None]) -> str | None:
+def compile_error(generation: str, kernel: str, problem: Problem, tiles: KernelTiles[int | None]) -> str | None:
     """Why libtpu does not compile the kernel alone at full size with these tiles (None: it does)."""
     import jax
 
     from ce_core import StatsSpec
-    from ce_pallas_tpu import aot
+    from ce_pallas_tpu.tooling import aot
     from ce_pallas_tpu.tooling.schedule.programs import kernel_config, kernel_program
 
     try:
         with aot.compiling_for(generation) as device:
-            cfg = kernel_config(kernel, shape.n, shape.hp, shape.v, "bfloat16", "bfloat16", StatsSpec(),
-                                (tiles.block_b, tiles.block_h, tiles.block_v), tiles.w_buffers)
-            fn, args = kernel_program(kernel, cfg, "bfloat16", "bfloat16",
+            spec = StatsSpec(with_expected=problem.objective == "rl")
+            cfg = kernel_config(kernel, problem.n, problem.shape.hp, problem.v, problem.x_dtype, problem.w_dtype,
+                                spec, (tiles.block_b, tiles.block_h, tiles.block_v), tiles.w_buffers)
+            fn, args = kernel_program(kernel, cfg, problem.x_dtype, problem.w_dtype,
                                       jax.sharding.SingleDeviceSharding(device))
             jax.jit(fn).lower(*args).compile()
     except Exception as error:  # VMEM refusals, and tiles the kernels reject
@@ -147,16 +182,16 @@ def compile_error(generation: str, kernel: str, shape: Shape, tiles: KernelTiles
     return None
 
 
-def _compiling(generation: str, kernel: str, shape: Shape,
+def _compiling(generation: str, kernel: str, problem: Problem,
                tiles: KernelTiles[int | None]) -> tuple[KernelTiles[int | None] | None, str]:
     """The candidate as it compiles (a backward one with two buffers if possible), or None and why not."""
     if kernel == "forward":
-        error = compile_error(generation, kernel, shape, tiles)
+        error = compile_error(generation, kernel, problem, tiles)
         return (tiles, "") if error is None else (None, error)
     error = ""
     for w_buffers in (2, 1):
         candidate = dataclasses.replace(tiles, w_buffers=w_buffers)
-        error = compile_error(generation, kernel, shape, candidate)
+        error = compile_error(generation, kernel, problem, candidate)
         if error is None:
             return candidate, ""
     return None, error
@@ -196,28 +231,46 @@ def fitted(shape: Shape, tiles: KernelTiles[int | None], kernel: str) -> KernelT
     return KernelTiles(fit.block_b, block_h, fit.block_v, tiles.w_buffers)
 
 
-def incumbent_tiles(generation: str, bucket: str, kernel: str, shape: Shape) -> KernelTiles[int | None] | None:
-    """Today's entry of this kernel, fitted to the shape (None: the table has none)."""
-    entry = tuned_table().get((generation, bucket))
+def planned_entry(generation: str, problem: Problem) -> TunedEntry:
+    """Both kernels' tiles the backend would run for ``problem`` on ``generation`` today (its cached
+    entry, else the table's, else the inferred tiles), without figures."""
+    shape = problem.shape
+    tiles = resolve_tiles(shape, _target(generation), None, lookup(problem.cache_key(generation)))
+    return TunedEntry(forward=fitted(shape, tiles.forward, "forward"), backward=tiles.backward)
+
+
+def incumbent_tiles(generation: str, bucket: str | None, kernel: str, problem: Problem,
+                    ) -> KernelTiles[int | None] | None:
+    """Today's tiles of this kernel, fitted to the problem: the bucket's table entry (None: the table
+    has none), or for a user problem (``bucket`` None) what the backend would run for it now (its
+    cached entry, else the table's, else the inferred tiles)."""
+    shape = problem.shape
+    entry = planned_entry(generation, problem) if bucket is None else tuned_table().get((generation, bucket))
     if entry is None:
         return None
     return fitted(shape, entry.forward if kernel == "forward" else entry.backward, kernel)
 
 
-def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: int = 3,
-                shape: tuple[int, int, int] | None = None, quiet: bool = False,
+def tune_kernel(generation: str, bucket: str | None, kernel: str, *, max_candidates: int = 3,
+                shape: tuple[int, int, int] | None = None, problem: Problem | None = None, quiet: bool = False,
                 log: Callable[[str], None] = print) -> KernelChoice:
     """Compile and measure up to ``max_candidates`` tiles for one kernel of one bucket; keep the fastest.
 
     ``shape`` ``(N, H, V)`` replaces the bucket's example shape (for tests: a small shape compiles
-    and profiles in seconds). Today's entry is always the first candidate.
+    and profiles in seconds). ``problem`` with ``bucket`` None tunes one user problem (its dtypes and
+    objective) for the tile cache. Today's tiles are always the first candidate.
 
     Raises:
       TuneError: no candidate compiled, or none could be measured.
     """
-    problem = example_problem(*(shape or BUCKET_EXAMPLES[bucket]))
-    ranked = (forward_candidates if kernel == "forward" else backward_candidates)(problem, generation)
-    ranked = list(dict.fromkeys(fitted(problem, tiles, kernel) for tiles in ranked))
+    if problem is None:
+        if bucket is None:
+            raise ValueError("tune_kernel needs a bucket or a problem")
+        problem = Problem(*(shape or BUCKET_EXAMPLES[bucket]))
+    where = bucket or f"{problem.n}x{problem.h}x{problem.v}"
+    problem_shape = problem.shape
+    ranked = (forward_candidates if kernel == "forward" else backward_candidates)(problem_shape, generation)
+    ranked = list(dict.fromkeys(fitted(problem_shape, tiles, kernel) for tiles in ranked))
     incumbent = incumbent_tiles(generation, bucket, kernel, problem)
     if incumbent is not None:
         ranked = [incumbent, *(t for t in ranked if not same_tiles(t, incumbent))]
@@ -233,8 +286,10 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
         else:
             chosen.append(compiled)
     if not chosen:
-        raise TuneError(f"no {kernel} candidate compiles for {generation}/{bucket}")
-    jobs = [schedule.Job(kernel, problem.n, problem.hp, problem.v, tiles=t.sizes, w_buffers=t.w_buffers)
+        raise TuneError(f"no {kernel} candidate compiles for {generation}/{where}")
+    jobs = [schedule.Job(kernel, problem.n, problem_shape.hp, problem.v, x_dtype=problem.x_dtype,
+                         w_dtype=problem.w_dtype, with_expected=problem.objective == "rl", tiles=t.sizes,
+                         w_buffers=t.w_buffers)
             for t in chosen]
     records = schedule.measure(generation, jobs, quiet=quiet)
     measured = list(zip(chosen, records, strict=True))
@@ -245,7 +300,7 @@ def tune_kernel(generation: str, bucket: str, kernel: str, *, max_candidates: in
     usable = [(tiles, record) for tiles, record in measured if record.error is None and record.ratio is not None]
     if not usable:
         first = next((record.error for _, record in measured if record.error), "no ratio")
-        raise TuneError(f"no {kernel} candidate could be measured for {generation}/{bucket} ({first})")
+        raise TuneError(f"no {kernel} candidate could be measured for {generation}/{where} ({first})")
     tiles, record = min(usable, key=lambda item: estimated_us(item[1]))
     return KernelChoice(kernel, tiles, record, measured, refused, incumbent)
 
