@@ -138,3 +138,11 @@ def test_forward_candidates_rank_longer_steps_first(generation, bucket):
     comfortable = [capped for is_comfortable, capped in ranked if is_comfortable]
     assert comfortable and ranked[: len(comfortable)] == [(True, capped) for capped in comfortable]
     assert comfortable == sorted(comfortable, reverse=True)
+
+
+def test_the_readme_shows_the_table_as_it_is() -> None:
+    """The package README's tile table is rendered from tuned.py; a retune must re-render it."""
+    readme = (Path(ce_pallas_tpu.__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    assert tune.readme_table() in readme, (
+        "packages/ce_pallas_tpu/README.md's tile table differs from tuned.py: replace it with the output of "
+        "`uv run python -c 'from ce_pallas_tpu.tooling.tune import readme_table; print(readme_table())'`")

@@ -464,3 +464,26 @@ def write_table(generation: str, entries: Mapping[str, TunedEntry], *, libtpu_ve
         file.write(render_module(table, libtpu))
         file.truncate()
     return path
+
+
+def readme_table(table: Mapping[tuple[str, str], TunedEntry] | None = None) -> str:
+    """The tuned table as the package README shows it (Markdown; a test keeps the README equal to it)."""
+    table = tuned_table() if table is None else table
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = ["| generation (VMEM/core, cores) | bucket | forward b / h / v | backward b / h / v (w bufs) "
+             "| ratio fwd / bwd |", "|---|---|---|---|---|"]
+    previous = None
+    for key in sorted(table, key=_order):
+        generation, bucket = key
+        entry, facts = table[key], CHIP_FACTS[generation]
+        label = f"{generation} ({facts.vmem_bytes // 2**20} MiB, {facts.num_cores})" if generation != previous else ""
+        previous = generation
+        f, b = entry.forward, entry.backward
+        buffers = "" if b.w_buffers is None else f" (x{b.w_buffers})"
+        lines.append(f"| {label} | {bucket} | {f.block_b} / {'all' if f.block_h is None else f.block_h} / "
+                     f"{f.block_v} | {b.block_b} / {b.block_h} / {b.block_v}{buffers} | "
+                     f"{ratio(entry.forward_ratio)} / {ratio(entry.backward_ratio)} |")
+    return "\n".join(lines)
