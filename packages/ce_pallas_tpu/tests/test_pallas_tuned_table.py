@@ -72,7 +72,7 @@ def test_each_entry_has_its_figures_or_says_why_not(key):
             assert figures == [None] * 3 and entry.note, entry
             continue
         # The MXU time is the MXU minimum of the entry's tiles at the bucket's example shape.
-        tiles = tune.fitted(problem, getattr(entry, kernel), kernel)
+        tiles = tune.fitted(problem, getattr(entry, kernel), kernel, generation)
         hidden = problem.hp if kernel == "backward" or tiles.block_h is None else tiles.block_h
         mxu_us = mxu_cycles(generation, kernel, tiles.block_b, hidden, tiles.block_v) / chip.clock_hz * 1e6
         assert getattr(entry, f"{kernel}_mxu_us") == pytest.approx(mxu_us, abs=0.01)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterator
 
 from ce_core import BlockSizes, UnsupportedError
@@ -91,11 +92,20 @@ def vmem_limit(target: Target) -> int:
 # Resolving tiles for one problem.
 
 
-def _divisor_at_most(hp: int, block_h: int) -> int:
-    """The largest multiple of 128 that divides ``hp`` and is at most ``block_h`` (at least 128)."""
-    for candidate in range(min(block_h, hp) // LANES * LANES, 0, -LANES):
-        if hp % candidate == 0:
-            return candidate
+def _divisor_at_most(hp: int, block_h: int, mxu_side: int = LANES) -> int:
+    """``block_h`` itself when it divides ``hp``; else the largest multiple of the MXU's side that divides
+    ``hp`` and is at most ``block_h``; else the largest such multiple of 128 (at least 128).
+
+    A hidden block that is not a whole number of MXU tiles wastes part of each pass: on v6e (256-wide
+    MXUs) the backward of a Gemma-2 2B head (``Hp=2304``) ran 1.186 of the MXU minimum in 384-row chunks
+    and 1.075 in 256-row ones.
+    """
+    if block_h <= hp and hp % block_h == 0 and block_h % LANES == 0:
+        return block_h
+    for step in dict.fromkeys((mxu_side, LANES)):
+        for candidate in range(min(block_h, hp) // step * step, 0, -step):
+            if hp % candidate == 0:
+                return candidate
     return LANES
 
 
@@ -113,14 +123,16 @@ def bucket_example(bucket: str) -> Shape:
     return Shape(n, round_up(h, LANES), v, 2, 2, with_sum=False, capped=False)
 
 
-def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool) -> KernelTiles[int]:
-    """Clamp tiles to the problem: a block never exceeds its dimension; ``block_h`` divides ``Hp``."""
+def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool,
+              mxu_side: int = LANES) -> KernelTiles[int]:
+    """Clamp tiles to the problem: a block never exceeds its dimension; ``block_h`` divides ``Hp`` (a
+    whole number of ``mxu_side``-wide MXU tiles where such a divisor exists, see :func:`_divisor_at_most`)."""
     block_b = shape.n if shape.n <= tiles.block_b else tiles.block_b
     block_v = shape.v if shape.v <= tiles.block_v else tiles.block_v
     if backward:
-        block_h = _divisor_at_most(shape.hp, tiles.block_h or _BACKWARD_CHUNK)
+        block_h = _divisor_at_most(shape.hp, tiles.block_h or _BACKWARD_CHUNK, mxu_side)
     else:
-        block_h = shape.hp if tiles.block_h is None else _divisor_at_most(shape.hp, tiles.block_h)
+        block_h = shape.hp if tiles.block_h is None else _divisor_at_most(shape.hp, tiles.block_h, mxu_side)
     return KernelTiles(block_b, block_h, block_v, tiles.w_buffers if backward else None)
 
 
@@ -140,12 +152,13 @@ def _entry_fits(shape: Shape, compiled_at: Shape, entry: TunedEntry, w_buffers: 
 
     # Each problem with the entry's tiles fitted to it (a whole hidden dimension is the problem's own).
     def forward_bytes(problem: Shape) -> int:
-        forward = fit_tiles(problem, entry.forward, backward=False)
+        forward = fit_tiles(problem, entry.forward, backward=False, mxu_side=mxu_side)
         return cost_model.forward_bytes(problem, forward.block_b, forward.block_h, forward.block_v,
                                         mxu_side=mxu_side)
 
     def backward_bytes(problem: Shape) -> int:
-        return cost_model.backward_bytes(problem, *fit_tiles(problem, entry.backward, backward=True).sizes,
+        return cost_model.backward_bytes(problem, *fit_tiles(problem, entry.backward, backward=True,
+                                                             mxu_side=mxu_side).sizes,
                                          single_w=single_w)
 
     return forward_bytes(shape) <= max(budget, forward_bytes(example)) and backward_bytes(shape) <= max(
@@ -162,17 +175,18 @@ def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tupl
     """``(footprint, tiles)`` of the forward tiles the inference rule considers that fit ``budget``."""
     hiddens = [None] + [size for size in (4096, 2048, 1024, 512, 256, 128) if size < shape.hp and shape.hp % size == 0]
     for block_b, block_v, block_h in itertools.product(_TOKENS, _COLUMNS, hiddens):
-        tiles = fit_tiles(shape, KernelTiles(block_b, block_h, block_v), backward=False)
+        tiles = fit_tiles(shape, KernelTiles(block_b, block_h, block_v), backward=False,
+                          mxu_side=target.facts.mxu_side)
         need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
                                         mxu_side=target.facts.mxu_side)
         if need <= budget:
             yield need, tiles
 
 
-def _backward_options(shape: Shape, budget: int) -> Iterator[tuple[int, KernelTiles[int]]]:
+def _backward_options(shape: Shape, budget: int, mxu_side: int = LANES) -> Iterator[tuple[int, KernelTiles[int]]]:
     """``(footprint, tiles)`` of the backward tiles the inference rule considers that fit ``budget``."""
     for block_b, block_v in itertools.product(_TOKENS, _COLUMNS):
-        tiles = fit_tiles(shape, KernelTiles(block_b, _BACKWARD_CHUNK, block_v), backward=True)
+        tiles = fit_tiles(shape, KernelTiles(block_b, _BACKWARD_CHUNK, block_v), backward=True, mxu_side=mxu_side)
         need = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v)
         if need <= budget:
             yield need, tiles
@@ -197,7 +211,7 @@ def _infer(shape: Shape, target: Target, budget: int) -> Tiles:
     forward_options = [(cost_model.forward_seconds(shape, facts, cores, *tiles.sizes), need, tiles)
                        for need, tiles in _forward_options(shape, target, budget)]
     backward_options = [(cost_model.backward_seconds(shape, facts, cores, tiles.block_b, tiles.block_v), need, tiles)
-                        for need, tiles in _backward_options(shape, budget)]
+                        for need, tiles in _backward_options(shape, budget, facts.mxu_side)]
     if not forward_options or not backward_options:
         raise _too_large(shape, target, budget)
     return Tiles(_pick(forward_options), _pick(backward_options), "inferred")
@@ -213,8 +227,8 @@ def _pick(options: list[tuple[float, int, KernelTiles[int]]]) -> KernelTiles[int
 
 def _fitted_entry(shape: Shape, compiled_at: Shape, entry: TunedEntry, target: Target, source: str) -> Tiles | None:
     """A table or cache entry fitted to this problem, when it fits (None: it does not)."""
-    forward = fit_tiles(shape, entry.forward, backward=False)
-    backward = fit_tiles(shape, entry.backward, backward=True)
+    forward = fit_tiles(shape, entry.forward, backward=False, mxu_side=target.facts.mxu_side)
+    backward = fit_tiles(shape, entry.backward, backward=True, mxu_side=target.facts.mxu_side)
     for w_buffers in dict.fromkeys((backward.w_buffers, 1)):  # the entry's buffers, else one
         backward = dataclasses.replace(backward, w_buffers=w_buffers)
         if _entry_fits(shape, compiled_at, entry, w_buffers, target):
@@ -222,13 +236,57 @@ def _fitted_entry(shape: Shape, compiled_at: Shape, entry: TunedEntry, target: T
     return None
 
 
+#: The most token rows the hidden-size rule gives a backward step (the largest the tuner measures).
+MAX_SCALED_ROWS = 1024
+
+
+def rows_for_hidden(block_b: int, example_hp: int, hp: int) -> int:
+    """The backward's token block for a hidden size ``hp`` narrower than the example's, ``example_hp``.
+
+    A backward step's matmul work is ``block_b x Hp x block_v`` (three times over) while its fixed
+    cost (the step's DMA waits, its column statistics) does not shrink with ``Hp``: an entry tuned at
+    ``H=4096`` spends more of each step on that cost at ``H=1536``. The rule keeps the step's matmul
+    work about what the tuner chose at the example: ``block_b x example_hp / hp``, rounded to the nearest
+    power of two, never fewer rows than the entry's and at most :data:`MAX_SCALED_ROWS` (the tiles must
+    still fit the VMEM budget; :func:`_table_tiles` checks). Measured: docs/benchmarks.md, issue 25.
+    """
+    if hp >= example_hp:
+        return block_b
+    rows = 2 ** round(math.log2(block_b * example_hp / hp))
+    return max(block_b, min(rows, MAX_SCALED_ROWS))
+
+
+def _with_rows_for_hidden(shape: Shape, compiled_at: Shape, entry: TunedEntry, target: Target) -> TunedEntry | None:
+    """The entry with its backward token block scaled to this problem's hidden size, where that changes
+    it and the scaled tiles fit the VMEM budget by the model (None otherwise)."""
+    backward = entry.backward
+    rows = rows_for_hidden(backward.block_b, compiled_at.hp, shape.hp)
+    while rows > backward.block_b:  # the most rows that fit, halving down to the entry's own
+        if rows <= round_up(shape.n, SUBLANES):
+            scaled = dataclasses.replace(backward, block_b=rows)
+            fitted = fit_tiles(shape, scaled, backward=True, mxu_side=target.facts.mxu_side)
+            for w_buffers in dict.fromkeys((scaled.w_buffers, 1)):
+                need = cost_model.backward_bytes(shape, *fitted.sizes, single_w=w_buffers != 2)
+                if need <= vmem_budget(target):
+                    return dataclasses.replace(entry, backward=dataclasses.replace(scaled, w_buffers=w_buffers))
+        rows //= 2
+    return None
+
+
 def _table_tiles(shape: Shape, target: Target) -> Tiles | None:
-    """The table entry for this problem fitted to it, when it fits (None: no entry, or it does not fit)."""
+    """The table entry for this problem fitted to it, when it fits (None: no entry, or it does not fit);
+    the backward's token block scaled to a narrower hidden size than the example's where that fits."""
     bucket = shape_bucket(shape.n, shape.hp, shape.v)
     entry = tuned_table().get((target.generation, bucket))
     if entry is None:
         return None
-    return _fitted_entry(shape, bucket_example(bucket), entry, target, f"table:{target.generation}/{bucket}")
+    example, source = bucket_example(bucket), f"table:{target.generation}/{bucket}"
+    scaled = _with_rows_for_hidden(shape, example, entry, target)
+    if scaled is not None:
+        tiles = _fitted_entry(shape, example, scaled, target, f"{source} (backward rows for H={shape.hp})")
+        if tiles is not None:
+            return tiles
+    return _fitted_entry(shape, example, entry, target, source)
 
 
 def _cached_tiles(shape: Shape, target: Target, cached: TunedEntry | None) -> Tiles | None:
@@ -302,7 +360,9 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None,
         f, bw = base.forward, base.backward
         forward = KernelTiles(block_b or f.block_b, f.block_h if block_h is None else block_h, block_v or f.block_v)
         backward = KernelTiles(block_b or bw.block_b, block_h or bw.block_h, block_v or bw.block_v)
-    tiles = Tiles(fit_tiles(shape, forward, backward=False), fit_tiles(shape, backward, backward=True), "explicit")
+    mxu_side = target.facts.mxu_side
+    tiles = Tiles(fit_tiles(shape, forward, backward=False, mxu_side=mxu_side),
+                  fit_tiles(shape, backward, backward=True, mxu_side=mxu_side), "explicit")
     _check_explicit_vmem(shape, target, block_sizes, tiles)
     return tiles
 

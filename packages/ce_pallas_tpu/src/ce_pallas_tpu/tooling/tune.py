@@ -223,10 +223,10 @@ def same_tiles(a: KernelTiles[int | None], b: KernelTiles[int | None]) -> bool:
     return (a.block_b, a.block_h, a.block_v) == (b.block_b, b.block_h, b.block_v)
 
 
-def fitted(shape: Shape, tiles: KernelTiles[int | None], kernel: str) -> KernelTiles[int | None]:
-    """``tiles`` clamped to the problem as the kernels will use them (the forward's whole-hidden
-    ``block_h`` stays ``None``; the backward's chunk divides the padded hidden size)."""
-    fit = fit_tiles(shape, tiles, backward=kernel == "backward")
+def fitted(shape: Shape, tiles: KernelTiles[int | None], kernel: str, generation: str) -> KernelTiles[int | None]:
+    """``tiles`` clamped to the problem as the kernels will use them on ``generation`` (the forward's
+    whole-hidden ``block_h`` stays ``None``; the backward's chunk divides the padded hidden size)."""
+    fit = fit_tiles(shape, tiles, backward=kernel == "backward", mxu_side=CHIP_FACTS[generation].mxu_side)
     block_h = None if kernel == "forward" and fit.block_h == shape.hp else fit.block_h
     return KernelTiles(fit.block_b, block_h, fit.block_v, tiles.w_buffers)
 
@@ -236,7 +236,7 @@ def planned_entry(generation: str, problem: Problem) -> TunedEntry:
     entry, else the table's, else the inferred tiles), without figures."""
     shape = problem.shape
     tiles = resolve_tiles(shape, _target(generation), None, lookup(problem.cache_key(generation)))
-    return TunedEntry(forward=fitted(shape, tiles.forward, "forward"), backward=tiles.backward)
+    return TunedEntry(forward=fitted(shape, tiles.forward, "forward", generation), backward=tiles.backward)
 
 
 def incumbent_tiles(generation: str, bucket: str | None, kernel: str, problem: Problem,
@@ -248,7 +248,7 @@ def incumbent_tiles(generation: str, bucket: str | None, kernel: str, problem: P
     entry = planned_entry(generation, problem) if bucket is None else tuned_table().get((generation, bucket))
     if entry is None:
         return None
-    return fitted(shape, entry.forward if kernel == "forward" else entry.backward, kernel)
+    return fitted(shape, entry.forward if kernel == "forward" else entry.backward, kernel, generation)
 
 
 def tune_kernel(generation: str, bucket: str | None, kernel: str, *, max_candidates: int = 3,
@@ -270,7 +270,7 @@ def tune_kernel(generation: str, bucket: str | None, kernel: str, *, max_candida
     where = bucket or f"{problem.n}x{problem.h}x{problem.v}"
     problem_shape = problem.shape
     ranked = (forward_candidates if kernel == "forward" else backward_candidates)(problem_shape, generation)
-    ranked = list(dict.fromkeys(fitted(problem_shape, tiles, kernel) for tiles in ranked))
+    ranked = list(dict.fromkeys(fitted(problem_shape, tiles, kernel, generation) for tiles in ranked))
     incumbent = incumbent_tiles(generation, bucket, kernel, problem)
     if incumbent is not None:
         ranked = [incumbent, *(t for t in ranked if not same_tiles(t, incumbent))]

@@ -1,0 +1,124 @@
+"""The backward's token block scaled to a hidden size narrower than its table entry's example.
+
+The rule (``tiling.rows_for_hidden``) keeps a backward step's matmul work about what the tuner chose
+at the bucket's example shape; the measured effect is in docs/benchmarks.md (issue 25). Here: the rule's
+arithmetic, that it only ever adds rows and stays within the VMEM budget by the model, and (slow
+tier) that the tiles it gives the model heads of the ``ce-bench schedule --shapes models`` matrix
+compile for every generation with both objectives.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ce_core
+from ce_core.extend import compile_program
+from ce_pallas_tpu import cost_model, tiling
+from ce_pallas_tpu.target import CHIP_FACTS, Target
+from ce_pallas_tpu.tooling.tune import Problem
+
+GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
+#: The heads of the models matrix whose hidden size is below their bucket's example (H, V).
+NARROW_HEADS = {"qwen2.5-1.5b": (1536, 151936), "qwen3-0.6b": (1024, 151936), "gemma2-2b": (2304, 256000)}
+
+
+def target(generation: str) -> Target:
+    return Target(generation, CHIP_FACTS[generation].num_cores, None)
+
+
+@pytest.mark.parametrize("block_b,example_hp,hp,rows", [
+    (256, 4096, 1536, 512),   # 682 rows keep the work: 512 is the nearest power of two
+    (256, 4096, 2304, 512),   # 455 -> 512
+    (256, 4096, 1024, 1024),
+    (256, 4096, 3584, 256),   # 293 -> 256: as tuned
+    (256, 4096, 4096, 256),
+    (256, 4096, 8192, 256),   # never fewer rows than the entry's
+    (512, 4096, 1024, 1024),  # at most MAX_SCALED_ROWS
+])
+def test_rows_keep_the_steps_matmul_work(block_b: int, example_hp: int, hp: int, rows: int) -> None:
+    assert tiling.rows_for_hidden(block_b, example_hp, hp) == rows
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("n", [4096, 16384])
+@pytest.mark.parametrize("head", NARROW_HEADS)
+def test_scaled_tiles_only_add_rows_and_fit_the_budget(generation: str, n: int, head: str) -> None:
+    h, v = NARROW_HEADS[head]
+    shape = Problem(n, h, v).shape
+    tiles = tiling.tuned_tiles(shape, target(generation))
+    bucket = tiling.shape_bucket(n, shape.hp, v)
+    entry = tiling.tuned_table()[(generation, bucket)]
+    assert tiles.source.startswith(f"table:{generation}/{bucket}")
+    side = CHIP_FACTS[generation].mxu_side
+    assert tiles.forward == tiling.fit_tiles(shape, entry.forward, backward=False, mxu_side=side)  # untouched
+    backward = tiles.backward
+    assert (backward.block_h, backward.block_v) == tiling.fit_tiles(shape, entry.backward, backward=True,
+                                                                    mxu_side=side).sizes[1:]
+    if "rows for H" in tiles.source:
+        assert backward.block_b > entry.backward.block_b
+        need = cost_model.backward_bytes(shape, *backward.sizes, single_w=backward.w_buffers != 2)
+        assert need <= tiling.vmem_budget(target(generation))
+    else:
+        assert backward.block_b == entry.backward.block_b
+
+
+@pytest.mark.parametrize("hp,block_h,mxu_side,chunk", [
+    (2304, 512, 256, 256),  # Gemma-2 2B on v6e/TPU7x: whole 256-wide MXU tiles, not 384
+    (2304, 512, 128, 384),  # on v5e/v5p (128-wide) the largest divisor as before
+    (2304, 384, 256, 384),  # a size that divides (explicit, or a table's) is kept
+    (1536, 512, 256, 512),
+    (896, 512, 256, 128),   # no multiple of 256 divides 896: multiples of 128
+    (3584, 512, 256, 512),
+    (256, 512, 256, 256),   # a hidden size under the chunk: the whole of it
+])
+def test_the_hidden_chunk_is_a_whole_number_of_mxu_tiles_where_it_can_be(hp: int, block_h: int, mxu_side: int,
+                                                                         chunk: int) -> None:
+    assert tiling._divisor_at_most(hp, block_h, mxu_side) == chunk
+
+
+def test_the_rule_moves_the_narrow_v6e_heads_that_missed_their_target() -> None:
+    """The two shapes issue 25 names (v6e backward 1.187 and 1.237 with the table's 256 rows)."""
+    for h, v in [(1536, 151936), (2304, 256000)]:
+        tiles = tiling.tuned_tiles(Problem(8192, h, v).shape, target("v6e"))
+        assert tiles.backward.block_b == 512, tiles
+
+
+def test_a_problem_at_its_examples_hidden_size_keeps_the_entry() -> None:
+    shape = Problem(*tiling.BUCKET_EXAMPLES["llama3"]).shape
+    for generation in GENERATIONS:
+        tiles = tiling.tuned_tiles(shape, target(generation))
+        assert tiles.source == f"table:{generation}/llama3"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("head", NARROW_HEADS)
+@pytest.mark.parametrize("objective", ["loss", "rl"])
+def test_the_narrow_model_heads_compile_with_the_tiles_the_rule_gives(generation: str, head: str,
+                                                                      objective: str) -> None:
+    """value_and_grad at N=4096, bf16, one chip: compiles within the design's HBM bound."""
+    from ce_pallas_tpu.tooling import aot
+
+    h, v = NARROW_HEADS[head]
+    n = 4096
+
+    def loss(x, w, labels):
+        if objective == "rl":
+            logp, entropy = ce_core.linear_log_probs(x, labels, w, return_entropy=True, implementation="pallas_tpu")
+            return jnp.mean(logp) + 0.01 * jnp.mean(entropy)
+        return ce_core.linear_cross_entropy(x, labels, w, implementation="pallas_tpu")
+
+    def compile_fn():
+        with aot.compiling_for(generation) as device:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            args = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16, sharding=sharding),
+                    jax.ShapeDtypeStruct((h, v), jnp.bfloat16, sharding=sharding),
+                    jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding))
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+
+    result = compile_program(compile_fn)[1]
+    assert result.ok and result.temp_bytes is not None, result.error
+    bound = 2 * 4 * h * v + 3 * 4 * n * h + 16 * 512 * n  # never the [N, V] logits (4NV: 2.5 GiB here)
+    assert result.temp_bytes <= bound
