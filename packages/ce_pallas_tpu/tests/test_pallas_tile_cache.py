@@ -54,7 +54,8 @@ def key(**changes: object) -> tile_cache.CacheKey:
     return tile_cache.CacheKey(**fields)  # pyright: ignore[reportArgumentType]
 
 
-def write(path: Path, cache_key: tile_cache.CacheKey, entry: TunedEntry = CACHED, **versions: str) -> None:
+def write(path: Path, cache_key: tile_cache.CacheKey, entry: TunedEntry = CACHED,
+          versions: dict[str, str] | None = None) -> None:
     cached = tile_cache.make_entry(cache_key, entry)
     if versions:
         cached = tile_cache.CachedEntry(cached.key, entry, versions.get("libtpu", cached.libtpu),
@@ -105,7 +106,7 @@ def test_explicit_block_sizes_come_before_the_cache(cache_file: Path) -> None:
 
 @pytest.mark.parametrize("stale", ["libtpu", "ce_pallas_tpu"])
 def test_a_stale_entry_is_ignored_with_a_warning_that_says_how_to_renew_it(cache_file: Path, stale: str) -> None:
-    write(cache_file, key(), **{stale: "0.0.0-measured-elsewhere"})
+    write(cache_file, key(), versions={stale: "0.0.0-measured-elsewhere"})
     ops._cached_plan.cache_clear()
     tile_cache._warn_once.cache_clear()
     with pytest.warns(RuntimeWarning, match=rf"stale \(measured with {stale} 0.0.0-measured-elsewhere.*ce-bench tune "
