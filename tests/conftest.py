@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 import ce_core
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -23,3 +30,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if getattr(metafunc.module, "EIGHT_DEVICE_MESHES", False) and os.environ.get("CE_PALLAS_TPU_INTERPRET"):
             names = [name for name in names if name != "pallas_tpu"]
         metafunc.parametrize("backend_name", names)
+
+
+@pytest.fixture(scope="session")
+def load_example() -> Callable[[str], ModuleType]:
+    """Import a script of ``examples/`` by file name (the examples are not a package)."""
+
+    def load(filename: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(f"example_{Path(filename).stem}", EXAMPLES / filename)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,17 +9,10 @@ import pytest
 
 from ce_core.testing import max_rel_error
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
-
 
 @pytest.fixture(scope="module")
-def grpo():
-    spec = importlib.util.spec_from_file_location("grpo_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def grpo(load_example):
+    return load_example("grpo.py")
 
 
 def materialised_loss(grpo, hidden, head, tokens, mask, old_logp, advantages, config, ref_logp):

@@ -4,9 +4,6 @@ exactly as it does on materialised logits."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +13,10 @@ from flax import nnx
 
 from ce_core.testing import max_rel_error
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nnx_decoder.py"
-
 
 @pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("nnx_decoder_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def example(load_example):
+    return load_example("nnx_decoder.py")
 
 
 @pytest.fixture(scope="module")
