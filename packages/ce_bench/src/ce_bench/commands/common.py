@@ -83,7 +83,7 @@ def add_common(parser: argparse.ArgumentParser, *, default_dtype: str, default_s
                         help="what is differentiated: the loss with this reduction (mean, sum, none: the sum of "
                              "per-token losses), or rl: per-token log-probs and entropies (linear_log_probs) through "
                              f"mean(logp) + {objectives.RL_ENTROPY_WEIGHT} mean(entropy) (default: mean)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
+    add_output(parser, table_format=False)
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG comparing time and memory here")
     parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
                         help="directory for the JSON and PNG when --json/--plot are not given (default: bench-out)")
@@ -91,6 +91,15 @@ def add_common(parser: argparse.ArgumentParser, *, default_dtype: str, default_s
     parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (there is none anyway when stderr is not a terminal)")
+
+
+def add_output(parser: argparse.ArgumentParser, *, table_format: bool = True,
+               json_help: str = "write the records as a JSON list here") -> None:
+    """``--json PATH`` and (``table_format``) ``--format text|markdown``: the output flags of the
+    subcommands that print one table."""
+    parser.add_argument("--json", default=None, metavar="PATH", help=json_help)
+    if table_format:
+        parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
 
 
 def quiet_libraries() -> None:

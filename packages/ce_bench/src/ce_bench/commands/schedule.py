@@ -34,8 +34,7 @@ def schedule_parser() -> argparse.ArgumentParser:
     parser.add_argument("--argmax", action="store_true", help="the forward with return_argmax=True")
     parser.add_argument("--objective", default="loss", choices=OBJECTIVES,
                         help="loss: the plain loss; rl: linear_log_probs with the entropy (the expected logit)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
-    parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
+    common.add_output(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
 

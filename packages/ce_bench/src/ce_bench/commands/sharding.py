@@ -33,7 +33,7 @@ def sharding_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time", type=common.non_negative_int, default=0, metavar="REPEATS",
                         help="also run each compiled program REPEATS times on random inputs, interleaved "
                              "(0: compile only; the shapes must then fit this machine)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
+    common.add_output(parser, table_format=False)
     return parser
 
 

@@ -24,8 +24,7 @@ def tied_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", default="rl-qwen2.5-1.5b,llama3-8b", metavar="S,T", help="presets or NxHxV")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of x and the table")
     parser.add_argument("--implementation", default=None, help="backend name (default: the platform's chain)")
-    parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list here")
+    common.add_output(parser)
     return parser
 
 

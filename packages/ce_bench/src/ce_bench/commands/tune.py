@@ -51,8 +51,7 @@ def tune_parser() -> argparse.ArgumentParser:
     parser.add_argument("--write", action="store_true",
                         help="write the winners into ce_pallas_tpu/tuned.py (a kernel left out by --kernels keeps its "
                              "tiles and figures)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write every measured candidate here")
-    parser.add_argument("--format", default="text", choices=("text", "markdown"), help="table format")
+    common.add_output(parser, json_help="write every measured candidate here")
     parser.add_argument("--quiet", action="store_true", help="no per-compile progress lines")
     return parser
 
