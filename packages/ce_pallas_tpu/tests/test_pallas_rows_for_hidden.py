@@ -70,7 +70,12 @@ def test_scaled_tiles_only_add_rows_and_fit_the_budget(generation: str, n: int, 
     (2304, 512, 128, 384),  # on v5e/v5p (128-wide) the largest divisor as before
     (2304, 384, 256, 384),  # a size that divides (explicit, or a table's) is kept
     (1536, 512, 256, 512),
-    (896, 512, 256, 128),   # no multiple of 256 divides 896: multiples of 128
+    (896, 512, 256, 896),   # no multiple of 256 divides 896: the whole of it (1/8 of a pass wasted, not 1/2)
+    (896, 512, 128, 128),   # on a 128-wide MXU 128 wastes nothing: as before
+    (640, 512, 256, 640),
+    (384, 512, 256, 384),
+    (4608, 512, 256, 512),  # 9 x 512
+    (2816, 512, 256, 256),  # 11 x 256: the only whole-tile divisor under 512
     (3584, 512, 256, 512),
     (256, 512, 256, 256),   # a hidden size under the chunk: the whole of it
 ])

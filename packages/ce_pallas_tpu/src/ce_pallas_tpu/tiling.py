@@ -93,20 +93,27 @@ def vmem_limit(target: Target) -> int:
 
 
 def _divisor_at_most(hp: int, block_h: int, mxu_side: int = LANES) -> int:
-    """``block_h`` itself when it divides ``hp``; else the largest multiple of the MXU's side that divides
-    ``hp`` and is at most ``block_h``; else the largest such multiple of 128 (at least 128).
+    """The hidden block for a requested ``block_h``: ``block_h`` itself when it divides ``hp``; else the
+    multiple of 128 dividing ``hp``, at most ``block_h``, that wastes the least of the ``mxu_side``-wide
+    MXU's passes (the largest among equals); where every such block wastes some and ``hp <= 2 *
+    block_h``, the whole of ``hp`` is a candidate too.
 
     A hidden block that is not a whole number of MXU tiles wastes part of each pass: on v6e (256-wide
     MXUs) the backward of a Gemma-2 2B head (``Hp=2304``) ran 1.186 of the MXU minimum in 384-row chunks
-    and 1.075 in 256-row ones.
+    and 1.075 in 256-row ones; a Qwen2.5-0.5B head (``Hp=896``, no multiple of 256 divides it) ran
+    1.69 in 128-row chunks, half of each pass empty (whole: one pass in eight).
     """
     if block_h <= hp and hp % block_h == 0 and block_h % LANES == 0:
         return block_h
-    for step in dict.fromkeys((mxu_side, LANES)):
-        for candidate in range(min(block_h, hp) // step * step, 0, -step):
-            if hp % candidate == 0:
-                return candidate
-    return LANES
+    limit = min(block_h, hp)
+    candidates = [size for size in range(LANES, limit // LANES * LANES + 1, LANES) if hp % size == 0]
+
+    def waste(size: int) -> float:
+        return round_up(size, mxu_side) / size
+
+    if all(waste(size) > 1 for size in candidates) and hp <= 2 * block_h:
+        candidates.append(hp)
+    return min(candidates, key=lambda size: (waste(size), -size)) if candidates else LANES
 
 
 def tuned_table() -> dict[tuple[str, str], TunedEntry]:
