@@ -94,7 +94,7 @@ def row_stats_grads(
     stats, cotangent = tile_stats.differentiable(stats), tile_stats.differentiable(cotangent)
     if plan.gradient_order == "vocab_outer":
         return vocab_outer.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale)
-    n, rows = x.shape[0], plan.token_chunk
+    n, rows = x.shape[0], plan.grad_token_chunk  # not tied to the statistics rows: nothing is reused here
     dtype = jnp.promote_types(x.dtype, w.dtype)
 
     def chunk(i, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -109,5 +109,5 @@ def row_stats_grads(
 
     initial = vary_like((jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32)), x, w, labels, stats, cotangent,
                         row_scale)
-    dx, dw = loop(plan.token_chunks, chunk, initial)
+    dx, dw = loop(plan.grad_token_chunks, chunk, initial)
     return dx, dw.astype(w.dtype)

@@ -61,6 +61,8 @@ class PlatformBudgets:
     fit a full row: the vocabulary is tiled).
     ``dw_slice_bytes``: vocab outer, the ``dw`` slice ``[H, grad_chunk]`` held across the token loop.
     ``grad_tile_bytes``: vocab outer, one gradient tile ``[grad_token_chunk, grad_chunk]``.
+    ``recompute_tile_bytes``: tokens outer, one tile ``[grad_token_chunk, grad_chunk]`` of the
+    recompute gradient pass (the fused pass's tiles have the statistics rows instead).
     """
 
     logits_bytes: int = 64 * MiB
@@ -68,6 +70,7 @@ class PlatformBudgets:
     stats_rows: int = 1024
     dw_slice_bytes: int = 32 * MiB
     grad_tile_bytes: int = 8 * MiB
+    recompute_tile_bytes: int = 8 * MiB
 
 
 #: The budgets of each platform; platforms not listed take ``ACCELERATOR``.
