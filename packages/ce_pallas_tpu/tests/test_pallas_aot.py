@@ -166,3 +166,39 @@ def test_llama3_with_argmax_a_tied_head_and_row_scales_keeps_the_tuned_tiles(gen
 
     _, result = compile_program(compile_fn)
     assert result.ok and result.temp_bytes is not None and result.temp_bytes <= hbm_bound(n, h, v)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("bucket", list(tiling.BUCKET_EXAMPLES))
+def test_every_tuned_forward_serves_the_rl_objective(generation, bucket):
+    """The entropy's expected logit adds per-row state to the forward: the entry's forward tiles stay
+    (the RL objective used to fall to inferred tiles for both kernels wherever its backward's extra
+    temporary tile crossed the VMEM budget), and log-probs with the entropy compile at the bucket's
+    example within the bound."""
+    import jax
+
+    n, h, v = tiling.BUCKET_EXAMPLES[bucket]
+    bf16 = jnp.dtype(jnp.bfloat16)
+    spec = ce_core.StatsSpec(with_expected=True)
+    with aot.compiling_for(generation):
+        report = ce_core.get_backend("pallas_tpu").block_sizes_for(ce_core.Problem(n, h, v, bf16, bf16, spec))
+    assert report is not None and report.source.startswith(f"table:{generation}/{bucket}")
+    assert "forward inferred" not in report.source
+
+    def objective(x, w, labels):
+        logp, entropy = ce_core.linear_log_probs(x, labels, w, return_entropy=True, implementation="pallas_tpu")
+        return jnp.mean(logp) + 0.01 * jnp.mean(entropy)
+
+    def compile_fn():
+        with aot.compiling_for(generation) as device:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            args = (jax.ShapeDtypeStruct((n, h), bf16, sharding=sharding),
+                    jax.ShapeDtypeStruct((h, v), bf16, sharding=sharding),
+                    jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding))
+            return jax.jit(jax.value_and_grad(objective, argnums=(0, 1))).lower(*args).compile()
+
+    from ce_core.extend import compile_program
+
+    _, result = compile_program(compile_fn)
+    assert result.ok and result.temp_bytes is not None, result.error
+    assert result.temp_bytes <= hbm_bound(n, h, v)

@@ -124,15 +124,17 @@ def test_an_unreadable_cache_is_ignored_with_a_warning_naming_the_file(cache_fil
 
 
 def test_an_entry_too_large_for_a_problem_with_more_temporaries_is_not_used(cache_file: Path) -> None:
-    """A soft cap adds whole temporary tiles: an entry measured without it that would overflow VMEM with
-    it (by the model, beyond what compiled) falls back to the table."""
+    """A soft cap adds whole temporary tiles: a kernel's cached tiles, measured without it, that would
+    overflow VMEM with it (by the model, beyond what compiled) give way to the inferred ones."""
     huge = TunedEntry(forward=KernelTiles(2048, None, 4096), backward=KernelTiles(1024, 512, 4096, w_buffers=2))
     write(cache_file, key(), huge)
     ops._cached_plan.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plan().source == "cache:v6e"  # at the problem it was measured at, it stands
-        assert plan(spec=StatsSpec(logit_soft_cap=30.0)).source.startswith("table:")
+        capped = plan(spec=StatsSpec(logit_soft_cap=30.0))
+        assert capped.source == "cache:v6e (backward inferred)"
+        assert (capped.backward.block_b, capped.backward.block_v) != (1024, 4096)
 
 
 @pytest.mark.parametrize("value", ["off", ""])

@@ -80,14 +80,15 @@ class CachedEntry:
 
 
 def installed_versions() -> dict[str, str]:
-    """The versions an entry must match: libtpu's (``unknown`` when not installed) and ce_pallas_tpu's."""
-    from ce_pallas_tpu import __version__
+    """The versions an entry must match: libtpu's and ce-pallas-tpu's (``unknown`` when not installed)."""
+    return {"libtpu": _version("libtpu"), "ce_pallas_tpu": _version("ce-pallas-tpu")}
 
+
+def _version(distribution: str) -> str:
     try:
-        libtpu = importlib.metadata.version("libtpu")
+        return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        libtpu = "unknown"
-    return {"libtpu": libtpu, "ce_pallas_tpu": __version__}
+        return "unknown"
 
 
 def cache_path() -> Path | None:

@@ -143,34 +143,40 @@ def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool,
     return KernelTiles(block_b, block_h, block_v, tiles.w_buffers if backward else None)
 
 
-def _entry_fits(shape: Shape, compiled_at: Shape, entry: TunedEntry, w_buffers: int | None,
-                target: Target) -> bool:
-    """Whether an entry fits this problem: by the VMEM model, within the target's budget or no more
-    than at the problem ``compiled_at`` (its bucket's example, or the cached problem it was measured
-    at, where libtpu compiled it; the model over-estimates, so a compiled entry may exceed the budget
-    by the model)."""
-    budget, mxu_side = vmem_budget(target), target.facts.mxu_side
-    # The argmax and the row scale add only per-row state (lane statistics, a column): an entry that
-    # compiled at its example compiles with them where the example, given them too, would fit (the
-    # AOT tests compile the llama3 entries with both). A soft cap adds whole temporary tiles: judged
-    # against the example as it was compiled.
+def _forward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None], target: Target) -> bool:
+    """Whether an entry's forward tiles fit this problem: by the VMEM model, within the target's budget
+    or no more than at the problem ``compiled_at`` (its bucket's example, or the cached problem it was
+    measured at, where libtpu compiled it; the model over-estimates, so a compiled entry may exceed the
+    budget by the model).
+
+    The argmax, the row scale and the entropy's expected logit add only per-row state to the forward
+    (lane statistics, a column): tiles that compiled at their example compile with them where the
+    example, given them too, would fit (the AOT tests compile every entry so). A soft cap adds whole
+    temporary tiles: judged against the example as it was compiled.
+    """
+    example = dataclasses.replace(compiled_at, with_argmax=shape.with_argmax, with_row_scale=shape.with_row_scale,
+                                  with_expected=shape.with_expected)
+    mxu_side = target.facts.mxu_side
+
+    def need(problem: Shape) -> int:  # the tiles fitted to each problem (a whole hidden dimension is its own)
+        fitted = fit_tiles(problem, tiles, backward=False, mxu_side=mxu_side)
+        return cost_model.forward_bytes(problem, fitted.block_b, fitted.block_h, fitted.block_v, mxu_side=mxu_side)
+
+    return need(shape) <= max(vmem_budget(target), need(example))
+
+
+def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None], w_buffers: int | None,
+                   target: Target) -> bool:
+    """As :func:`_forward_fits`, for the backward's tiles with ``w_buffers`` w/dw buffers; here only the
+    row scale is per-row state (the entropy's expected logit and a soft cap add whole temporary tiles)."""
     example = dataclasses.replace(compiled_at, with_argmax=shape.with_argmax, with_row_scale=shape.with_row_scale)
-    single_w = w_buffers != 2
+    mxu_side = target.facts.mxu_side
 
-    # Each problem with the entry's tiles fitted to it (a whole hidden dimension is the problem's own).
-    def forward_bytes(problem: Shape) -> int:
-        forward = fit_tiles(problem, entry.forward, backward=False, mxu_side=mxu_side)
-        return cost_model.forward_bytes(problem, forward.block_b, forward.block_h, forward.block_v,
-                                        mxu_side=mxu_side)
+    def need(problem: Shape) -> int:
+        fitted = fit_tiles(problem, tiles, backward=True, mxu_side=mxu_side)
+        return cost_model.backward_bytes(problem, *fitted.sizes, single_w=w_buffers != 2)
 
-    def backward_bytes(problem: Shape) -> int:
-        return cost_model.backward_bytes(problem, *fit_tiles(problem, entry.backward, backward=True,
-                                                             mxu_side=mxu_side).sizes,
-                                         single_w=single_w)
-
-    return forward_bytes(shape) <= max(budget, forward_bytes(example)) and backward_bytes(shape) <= max(
-        budget, backward_bytes(example)
-    )
+    return need(shape) <= max(vmem_budget(target), need(example))
 
 
 #: The sizes the inference rule tries, largest first.
@@ -233,14 +239,25 @@ def _pick(options: list[tuple[float, int, KernelTiles[int]]]) -> KernelTiles[int
 
 
 def _fitted_entry(shape: Shape, compiled_at: Shape, entry: TunedEntry, target: Target, source: str) -> Tiles | None:
-    """A table or cache entry fitted to this problem, when it fits (None: it does not)."""
-    forward = fit_tiles(shape, entry.forward, backward=False, mxu_side=target.facts.mxu_side)
-    backward = fit_tiles(shape, entry.backward, backward=True, mxu_side=target.facts.mxu_side)
-    for w_buffers in dict.fromkeys((backward.w_buffers, 1)):  # the entry's buffers, else one
-        backward = dataclasses.replace(backward, w_buffers=w_buffers)
-        if _entry_fits(shape, compiled_at, entry, w_buffers, target):
-            return Tiles(forward, backward, source)
-    return None
+    """A table or cache entry fitted to this problem, kernel by kernel: a kernel whose tiles do not fit
+    gets the inferred ones (the source says which); None when neither kernel's tiles fit."""
+    side = target.facts.mxu_side
+    forward: KernelTiles[int] | None = None
+    if _forward_fits(shape, compiled_at, entry.forward, target):
+        forward = fit_tiles(shape, entry.forward, backward=False, mxu_side=side)
+    backward: KernelTiles[int] | None = None
+    fitted = fit_tiles(shape, entry.backward, backward=True, mxu_side=side)
+    for w_buffers in dict.fromkeys((fitted.w_buffers, 1)):  # the entry's buffers, else one
+        if _backward_fits(shape, compiled_at, entry.backward, w_buffers, target):
+            backward = dataclasses.replace(fitted, w_buffers=w_buffers)
+            break
+    if forward is None and backward is None:
+        return None
+    if forward is None or backward is None:
+        inferred = _infer(shape, target, vmem_budget(target))
+        source += f" ({'forward' if forward is None else 'backward'} inferred)"
+        forward, backward = forward or inferred.forward, backward or inferred.backward
+    return Tiles(forward, backward, source)
 
 
 #: The most token rows the hidden-size rule gives a backward step (the largest the tuner measures).
