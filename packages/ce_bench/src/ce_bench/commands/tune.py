@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,31 @@ def _cache_path(args: argparse.Namespace) -> Path | None:
     return path
 
 
+def _run(args: argparse.Namespace, run: Callable[[], Any], *, written: str, kept: str, total: int) -> int:
+    """Run a tune (``run`` returns a :class:`ce_bench.tune.TuneReport`) and print its table: exit status 1
+    when it cannot run or nothing of ``total`` buckets or problems could be measured."""
+    from ce_bench import tune
+
+    common.quiet_libraries()
+    print(f"ce-bench tune: tiles for TPU {args.target} from libtpu's static schedules, no TPU present", flush=True)
+    start = time.perf_counter()
+    try:
+        report = run()
+    except tune.TuneUnavailableError as error:
+        print(f"ce-bench tune: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(tune.tune_table(report.rows, args.format))
+    if report.path is not None:
+        print(f"\n{written}: {report.path}")
+    if args.json:
+        common.save_json(report.rows, args.json)
+    print(f"\n{len(report.rows)} candidates measured in {time.perf_counter() - start:.0f} s")
+    if report.failed:
+        print(f"ce-bench tune: nothing could be measured for {', '.join(report.failed)} ({kept})", file=sys.stderr)
+    return 1 if len(report.failed) == total else 0
+
+
 def _main_problems(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``ce-bench tune --shapes ...``: exit status 1 when no problem could be tuned."""
     from ce_bench import tune
@@ -100,26 +125,9 @@ def _main_problems(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         cache = _cache_path(args)
     except ValueError as error:
         parser.error(str(error))
-    common.quiet_libraries()
-    print(f"ce-bench tune: tiles for TPU {args.target} from libtpu's static schedules, no TPU present", flush=True)
-    start = time.perf_counter()
-    try:
-        report = tune.run_tune_problems(args.target, problems, kernels, args.candidates, cache=cache,
-                                        quiet=args.quiet)
-    except tune.TuneUnavailableError as error:
-        print(f"ce-bench tune: {error}", file=sys.stderr)
-        return 1
-    print()
-    print(tune.tune_table(report.rows, args.format))
-    if report.path is not None:
-        print(f"\ntile cache written: {report.path}")
-    if args.json:
-        common.save_json(report.rows, args.json)
-    print(f"\n{len(report.rows)} candidates measured in {time.perf_counter() - start:.0f} s")
-    if report.failed:
-        print(f"ce-bench tune: nothing could be measured for {', '.join(report.failed)} (nothing written for them)",
-              file=sys.stderr)
-    return 1 if len(report.failed) == len(problems) else 0
+    return _run(args, lambda: tune.run_tune_problems(args.target, problems, kernels, args.candidates, cache=cache,
+                                                     quiet=args.quiet),
+                written="tile cache written", kept="nothing written for them", total=len(problems))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -141,23 +149,6 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError("--write keeps tiles measured at the buckets' example shapes; leave out --shape")
     except ValueError as error:
         parser.error(str(error))
-    common.quiet_libraries()
-    print(f"ce-bench tune: tiles for TPU {args.target} from libtpu's static schedules, no TPU present", flush=True)
-    start = time.perf_counter()
-    try:
-        report = tune.run_tune(args.target, buckets, kernels, args.candidates, write=args.write, shape=shape,
-                               quiet=args.quiet)
-    except tune.TuneUnavailableError as error:
-        print(f"ce-bench tune: {error}", file=sys.stderr)
-        return 1
-    print()
-    print(tune.tune_table(report.rows, args.format))
-    if report.path is not None:
-        print(f"\ntable written: {report.path}")
-    if args.json:
-        common.save_json(report.rows, args.json)
-    print(f"\n{len(report.rows)} candidates measured in {time.perf_counter() - start:.0f} s")
-    if report.failed:
-        print(f"ce-bench tune: nothing could be measured for {', '.join(report.failed)} (entries left as they were)",
-              file=sys.stderr)
-    return 1 if len(report.failed) == len(buckets) else 0
+    return _run(args, lambda: tune.run_tune(args.target, buckets, kernels, args.candidates, write=args.write,
+                                            shape=shape, quiet=args.quiet),
+                written="table written", kept="entries left as they were", total=len(buckets))
