@@ -81,7 +81,7 @@ def test_scaled_tiles_only_add_rows_and_fit_the_budget(generation: str, n: int, 
 ])
 def test_the_hidden_chunk_is_a_whole_number_of_mxu_tiles_where_it_can_be(hp: int, block_h: int, mxu_side: int,
                                                                          chunk: int) -> None:
-    assert tiling._divisor_at_most(hp, block_h, mxu_side) == chunk
+    assert tiling._hidden_block(hp, block_h, mxu_side) == chunk
 
 
 def test_the_rules_move_the_narrow_v6e_heads_that_missed_their_target() -> None:

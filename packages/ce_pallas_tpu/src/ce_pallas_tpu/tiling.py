@@ -92,16 +92,16 @@ def vmem_limit(target: Target) -> int:
 # Resolving tiles for one problem.
 
 
-def _divisor_at_most(hp: int, block_h: int, mxu_side: int = LANES) -> int:
+def _hidden_block(hp: int, block_h: int, mxu_side: int = LANES) -> int:
     """The hidden block for a requested ``block_h``: ``block_h`` itself when it divides ``hp``; else the
     multiple of 128 dividing ``hp``, at most ``block_h``, that wastes the least of the ``mxu_side``-wide
     MXU's passes (the largest among equals); where every such block wastes some and ``hp <= 2 *
     block_h``, the whole of ``hp`` is a candidate too.
 
     A hidden block that is not a whole number of MXU tiles wastes part of each pass: on v6e (256-wide
-    MXUs) the backward of a Gemma-2 2B head (``Hp=2304``) ran 1.186 of the MXU minimum in 384-row chunks
-    and 1.075 in 256-row ones; a Qwen2.5-0.5B head (``Hp=896``, no multiple of 256 divides it) ran
-    1.69 in 128-row chunks, half of each pass empty (whole: one pass in eight).
+    MXUs) the backward of a Gemma-2 2B head (``Hp=2304``, 512 token rows) ran 1.186 of the MXU minimum
+    in 384-row chunks and 1.075 in 256-row ones; a Qwen2.5-0.5B head (``Hp=896``, which no multiple of
+    256 divides) 1.692 in 128-row chunks, half of each pass empty, and 1.452 whole (one pass in eight).
     """
     if block_h <= hp and hp % block_h == 0 and block_h % LANES == 0:
         return block_h
@@ -133,13 +133,13 @@ def bucket_example(bucket: str) -> Shape:
 def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool,
               mxu_side: int = LANES) -> KernelTiles[int]:
     """Clamp tiles to the problem: a block never exceeds its dimension; ``block_h`` divides ``Hp`` (a
-    whole number of ``mxu_side``-wide MXU tiles where such a divisor exists, see :func:`_divisor_at_most`)."""
+    whole number of ``mxu_side``-wide MXU tiles where such a divisor exists, see :func:`_hidden_block`)."""
     block_b = shape.n if shape.n <= tiles.block_b else tiles.block_b
     block_v = shape.v if shape.v <= tiles.block_v else tiles.block_v
     if backward:
-        block_h = _divisor_at_most(shape.hp, tiles.block_h or _BACKWARD_CHUNK, mxu_side)
+        block_h = _hidden_block(shape.hp, tiles.block_h or _BACKWARD_CHUNK, mxu_side)
     else:
-        block_h = shape.hp if tiles.block_h is None else _divisor_at_most(shape.hp, tiles.block_h, mxu_side)
+        block_h = shape.hp if tiles.block_h is None else _hidden_block(shape.hp, tiles.block_h, mxu_side)
     return KernelTiles(block_b, block_h, block_v, tiles.w_buffers if backward else None)
 
 
