@@ -95,16 +95,28 @@ def test_float32_plans_are_unchanged_by_the_dtype_rule():
 
 def test_vocab_outer_tiles_on_accelerators_are_large_enough_for_the_mxu():
     """Statistics tiles of 1024 rows (every row chunk streams w); 2048 x 1024 gradient tiles at H = 4096."""
-    for platform in ("tpu", "gpu"):
-        plan = plan_chunks(8192, 4096, 128256, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform=platform)
-        assert (plan.token_chunk, plan.vocab_chunk) == (1024, 16384)
-        assert (plan.grad_token_chunk, plan.grad_chunk) == (1024, 2048)
-        assert 4 * plan.h * plan.grad_chunk == 32 * 2**20 and 4 * plan.grad_token_chunk * plan.grad_chunk == 8 * 2**20
-        assert plan.grad_chunks == 63 and plan.grad_token_chunks == 8
+    plan = plan_chunks(8192, 4096, 128256, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="tpu")
+    assert (plan.token_chunk, plan.vocab_chunk) == (1024, 16384)
+    assert (plan.grad_token_chunk, plan.grad_chunk) == (1024, 2048)
+    assert 4 * plan.h * plan.grad_chunk == 32 * 2**20 and 4 * plan.grad_token_chunk * plan.grad_chunk == 8 * 2**20
+    assert plan.grad_chunks == 63 and plan.grad_token_chunks == 8
     wide = plan_chunks(8192, 8192, 128256, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="tpu")
     assert (wide.grad_token_chunk, wide.grad_chunk) == (2048, 1024)
     small_vocab = plan_chunks(8192, 1024, 8192, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="tpu")
     assert small_vocab.full_rows and small_vocab.token_chunk == 2048  # full rows once 1024 of them fit
+
+
+def test_gpu_tiles_are_four_times_larger():
+    """Fewer loop steps on GPU: 64 gradient tiles of [2048, 8192] at Llama-3 8B instead of 504 of [1024, 2048]
+    (1.80x instead of 2.34x the three-matmul floor on an H200, ce_xla.target)."""
+    plan = plan_chunks(8192, 4096, 128256, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="gpu")
+    assert plan.gradient_order == "vocab_outer"
+    assert (plan.token_chunk, plan.vocab_chunk) == (1024, 65536)
+    assert (plan.grad_token_chunk, plan.grad_chunk) == (2048, 8192)
+    assert 4 * plan.h * plan.grad_chunk == 128 * 2**20 and 4 * plan.grad_token_chunk * plan.grad_chunk == 64 * 2**20
+    assert plan.grad_chunks * plan.grad_token_chunks == 16 * 4
+    rl = plan_chunks(4096, 1536, 151936, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="gpu")
+    assert (rl.grad_token_chunk, rl.grad_chunk) == (768, 21760)  # the x4 row of the measured table
 
 
 def test_vocab_outer_tiles_on_cpu():

@@ -33,6 +33,25 @@ H200          989 TFLOP/s     4.8 TB/s     206 flop/B
 Measured ahead of time at N=8192 H=4096 V=128256 bf16, these tiles add 0.4 MiB (v5e, v6e) and
 37 MiB (v5p) to the ``4NH`` float32 ``dx`` (128 MiB); the statistics tiles are dead by then.
 
+On GPU the same tiles ran at 2.34x the three-matmul floor (fwd+bwd, H200, N=8192 H=4096 V=128256
+bf16): XLA launches each tile's products and elementwise work as separate kernels and steps the loop
+between them, so the 63 x 8 gradient tiles of ``[1024, 2048]`` pay that overhead 504 times. Four times
+the budgets (256 MiB statistics tiles, 128 MiB ``dw`` slices, 64 MiB gradient and recompute tiles:
+``[2048, 8192]`` gradient tiles there, 64 of them) measured, interleaved in one run
+(``benchmarks/gpu_xla_tiles.py``):
+
+==================================  ==============  ==============  ==========  ==================
+shape (bf16), objective             ACCELERATOR     x2 budgets      x4 (GPU)    x8 budgets
+==================================  ==============  ==============  ==========  ==================
+8192x4096x128256 (Llama-3 8B), mean  2.34x, 204 MiB  1.82x, 256 MiB  1.80x, 368  1.61x, 928 MiB
+8192x2560x262144 (Gemma 3), mean     2.57x, 142 MiB  2.00x, 230 MiB  1.94x, 373  2.13x, 859 MiB
+4096x1536x151936 (Qwen2.5-1.5B), rl  3.47x, 108 MiB  2.42x, 202 MiB  2.31x, 313  2.39x, 796 MiB
+==================================  ==============  ==============  ==========  ==================
+
+(times over the floor, fwd+bwd temporaries). x8 wins only at Llama-3 and costs 2.5x the memory; the
+fused tokens-outer path with 1 GiB row chunks reached 1.44x and 1.72x on the first two, but holds a
+float32 ``[H, V]`` ``dw`` (2.9-3.2 GiB), which is what vocab outer exists to avoid.
+
 On CPU (2-core x86, AVX-512) caches, not bandwidth, set the sizes. The statistics pass keeps the
 full-row rule (64 MiB: 512 rows at V = 32k), and the gradient tiles are smaller: 8 MiB ``dw``
 slices and 2 MiB tiles (at least 256 rows). At N=4096 H=512 V=32768 bf16, timed interleaved on a
@@ -76,7 +95,11 @@ class PlatformBudgets:
 #: The budgets of each platform; platforms not listed take ``ACCELERATOR``.
 CPU = PlatformBudgets(grad_slice_bytes=8 * MiB, stats_rows=32, dw_slice_bytes=8 * MiB, grad_tile_bytes=2 * MiB)
 ACCELERATOR = PlatformBudgets()
-BUDGETS = {"cpu": CPU, "gpu": ACCELERATOR, "tpu": ACCELERATOR}
+#: Four times the tiles on GPU: every tile of a ``fori_loop`` there is a few kernel launches and a loop
+#: step, so ``ACCELERATOR``'s 504 gradient tiles at Llama-3 8B cost more than their arithmetic.
+GPU = PlatformBudgets(logits_bytes=256 * MiB, dw_slice_bytes=128 * MiB, grad_tile_bytes=64 * MiB,
+                      recompute_tile_bytes=64 * MiB)
+BUDGETS = {"cpu": CPU, "gpu": GPU, "tpu": ACCELERATOR}
 
 
 def budgets_for(platform: str) -> PlatformBudgets:

@@ -27,7 +27,7 @@ The extra accumulator is then at most ``min(4NH + 64 MiB, 4HV)`` bytes: never ``
 bf16 ``w`` (2 GiB at H=4096, V=128256).
 
 **Chunk sizes** come from the platform's budgets (:mod:`ce_xla.target`, which gives the
-figures; ``budget`` = 64 MiB float32 logits):
+figures; ``budget`` = 64 MiB float32 logits, 256 MiB on GPU):
 
 1. Full rows when at least ``min_rows`` rows fit: ``vocab_chunk = V``, ``token_chunk = budget //
    (4 V)`` rounded down to a multiple of :data:`TOKEN_ALIGN`, capped at N. ``min_rows`` is
@@ -45,13 +45,14 @@ figures; ``budget`` = 64 MiB float32 logits):
    rows (``token_chunk``) for its gradient tiles; the recompute pass (the VJP of the statistics:
    per-token outputs such as :func:`ce_core.linear_log_probs`) is not tied to them and takes
    ``grad_token_chunk`` rows: as many as keep a float32 ``[rows, grad_chunk]`` tile within the
-   platform's ``recompute_tile_bytes`` (8 MiB), at least ``token_chunk``, spread evenly over the
+   platform's ``recompute_tile_bytes`` (8 MiB; 64 MiB on GPU), at least ``token_chunk``, spread evenly over the
    chunks. Each token chunk streams all of ``w`` and reads and writes all of ``dw``, so at N=512
    H=1536 V=151936 f32 on CPU one 512-row chunk instead of five of 104 rows took the RL
    objective's fwd+bwd from 1.64-1.71x to 1.39-1.42x the three-matmul floor (two of 256 rows: 1.47x).
 4. Vocab outer, ``grad_chunk = dw_slice_bytes // (4H)`` and ``grad_token_chunk = grad_tile_bytes //
-   (4 grad_chunk)``, at least :data:`MIN_GRAD_TOKEN_CHUNK` (32 MiB and 8 MiB on accelerators:
-   2048 columns x 1024 rows at H = 4096; 8 MiB and 2 MiB on CPU).
+   (4 grad_chunk)``, at least :data:`MIN_GRAD_TOKEN_CHUNK` (32 MiB and 8 MiB on TPU:
+   2048 columns x 1024 rows at H = 4096; 128 MiB and 64 MiB on GPU: 8192 x 2048; 8 MiB and 2 MiB
+   on CPU).
 
 Every ``grad_chunk`` is a multiple of :data:`VOCAB_ALIGN` and at least :data:`MIN_GRAD_CHUNK`
 (or V); every token chunk a multiple of :data:`TOKEN_ALIGN` (or N).
@@ -81,7 +82,7 @@ from ce_xla.target import CPU, PlatformBudgets, budgets_for
 GradientOrder = Literal["tokens_outer", "vocab_outer"]
 GRADIENT_ORDERS: tuple[GradientOrder, ...] = ("tokens_outer", "vocab_outer")
 
-#: Bytes of one float32 logits chunk ``[token_chunk, vocab_chunk]`` (every platform).
+#: Bytes of one float32 logits chunk ``[token_chunk, vocab_chunk]`` on CPU and TPU (GPU: 4x, ``ce_xla.target``).
 LOGITS_BUDGET_BYTES = CPU.logits_bytes
 #: Narrowest gradient slice the rule picks (wider than the budget when H is very large).
 MIN_GRAD_CHUNK = 512
