@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,23 @@ def _rows_of(choices: dict[str, Any], label: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _tune_kernels(where: str, kernels: Sequence[str], tune_one: Callable[[str], Any],
+                  kept: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(choices, failures)``: ``tune_one(kernel)`` for each kernel; one that nothing could be measured for
+    (``TuneError``) is logged, saying that its tiles ``kept`` (as they are), and recorded in ``failures``."""
+    from ce_pallas_tpu.tooling import tune
+
+    choices: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    for kernel in kernels:
+        try:
+            choices[kernel] = tune_one(kernel)
+        except tune.TuneError as error:
+            _log(f"  {where}: {error}; its {kernel} tiles {kept}")
+            failures[kernel] = str(error)
+    return choices, failures
+
+
 def run_tune_problems(target: str, problems: Sequence[Any], kernels: Sequence[str] = KERNELS,
                       candidates: int = 3, *, cache: Path | None, quiet: bool = False) -> TuneReport:
     """Tune each user problem (a :class:`ce_pallas_tpu.tooling.tune.Problem`) on ``target`` and, with a
@@ -105,15 +122,10 @@ def run_tune_problems(target: str, problems: Sequence[Any], kernels: Sequence[st
     for problem in problems:
         label = f"{problem.n}x{problem.h}x{problem.v}"
         _log(f"{target} {label} ({problem.x_dtype}/{problem.w_dtype}, {problem.objective}):")
-        choices: dict[str, Any] = {}
-        failures: dict[str, str] = {}
-        for kernel in kernels:
-            try:
-                choices[kernel] = tune.tune_kernel(target, None, kernel, problem=problem, max_candidates=candidates,
-                                                   quiet=quiet, log=_log)
-            except tune.TuneError as error:
-                _log(f"  {label}: {error}; its {kernel} tiles stay as the backend chooses them")
-                failures[kernel] = str(error)
+        choices, failures = _tune_kernels(
+            label, kernels, lambda kernel, problem=problem: tune.tune_kernel(
+                target, None, kernel, problem=problem, max_candidates=candidates, quiet=quiet, log=_log),
+            "stay as the backend chooses them")
         rows += _rows_of(choices, label)
         if not choices:
             failed.append(label)
@@ -147,15 +159,10 @@ def run_tune(target: str, buckets: Sequence[str], kernels: Sequence[str] = KERNE
     for bucket in buckets:
         n, h, v = shape or BUCKET_EXAMPLES[bucket]
         _log(f"{target} {bucket} ({n}x{h}x{v}):")
-        choices: dict[str, Any] = {}
-        failures: dict[str, str] = {}
-        for kernel in kernels:
-            try:
-                choices[kernel] = tune.tune_kernel(target, bucket, kernel, max_candidates=candidates, shape=shape,
-                                                   quiet=quiet, log=_log)
-            except tune.TuneError as error:  # nothing compiled or could be measured: its tiles stay
-                _log(f"  {bucket}: {error}; its {kernel} tiles are left as they were")
-                failures[kernel] = str(error)
+        choices, failures = _tune_kernels(
+            bucket, kernels, lambda kernel, bucket=bucket: tune.tune_kernel(
+                target, bucket, kernel, max_candidates=candidates, shape=shape, quiet=quiet, log=_log),
+            "are left as they were")
         if not choices:
             failed.append(bucket)
             continue
