@@ -8,11 +8,15 @@ the workspace's dev group; without it these tests fail (they never skip).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 import ce_core
+from ce_core.extend import CompileResult, compile_program
 from ce_pallas_tpu import tiling
 from ce_pallas_tpu.tooling import aot
 
@@ -36,6 +40,21 @@ def tile_report(n: int, h: int, v: int) -> ce_core.TileReport:
     report = ce_core.get_backend("pallas_tpu").block_sizes_for(problem)
     assert report is not None
     return report
+
+
+def compile_value_and_grad(generation: str, fn: Callable[..., Any], x_shape: tuple[int, int],
+                           w_shape: tuple[int, int], *, has_aux: bool = False) -> CompileResult:
+    """Compile ``value_and_grad(fn(x, w, labels))`` w.r.t. ``x`` and ``w`` (bf16) for one chip of ``generation``."""
+
+    def compile_fn():
+        with aot.compiling_for(generation) as device:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            args = (jax.ShapeDtypeStruct(x_shape, jnp.bfloat16, sharding=sharding),
+                    jax.ShapeDtypeStruct(w_shape, jnp.bfloat16, sharding=sharding),
+                    jax.ShapeDtypeStruct(x_shape[:1], jnp.int32, sharding=sharding))
+            return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=has_aux)).lower(*args).compile()
+
+    return compile_program(compile_fn)[1]
 
 
 def test_libtpu_is_installed():
@@ -140,8 +159,6 @@ def test_interpret_mode_is_refused_when_compiling_for_a_deviceless_tpu(monkeypat
 def test_llama3_with_argmax_a_tied_head_and_row_scales_keeps_the_tuned_tiles(generation):
     """The v3 features add only per-row state: the tuned entry stays (no slower inferred tiles); with a
     soft cap and per-token temperatures (the row scale) on top, the call compiles within the bound."""
-    import jax
-
     n, h, v = REAL_SHAPES[0]
     bf16 = jnp.dtype(jnp.bfloat16)
     spec = ce_core.StatsSpec(w_layout="vh", with_argmax=True, with_row_scale=True)
@@ -154,17 +171,7 @@ def test_llama3_with_argmax_a_tied_head_and_row_scales_keeps_the_tuned_tiles(gen
         return ce_core.linear_cross_entropy(x, labels, w, implementation="pallas_tpu", w_layout="vh",
                                             logit_soft_cap=30.0, temperature=temperature, return_argmax=True)
 
-    def compile_fn():
-        with aot.compiling_for(generation) as device:
-            sharding = jax.sharding.SingleDeviceSharding(device)
-            args = (jax.ShapeDtypeStruct((n, h), bf16, sharding=sharding),
-                    jax.ShapeDtypeStruct((v, h), bf16, sharding=sharding),
-                    jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding))
-            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)).lower(*args).compile()
-
-    from ce_core.extend import compile_program
-
-    _, result = compile_program(compile_fn)
+    result = compile_value_and_grad(generation, loss, (n, h), (v, h), has_aux=True)
     assert result.ok and result.temp_bytes is not None and result.temp_bytes <= hbm_bound(n, h, v)
 
 
@@ -175,8 +182,6 @@ def test_every_tuned_forward_serves_the_rl_objective(generation, bucket):
     (the RL objective used to fall to inferred tiles for both kernels wherever its backward's extra
     temporary tile crossed the VMEM budget), and log-probs with the entropy compile at the bucket's
     example within the bound."""
-    import jax
-
     n, h, v = tiling.BUCKET_EXAMPLES[bucket]
     bf16 = jnp.dtype(jnp.bfloat16)
     spec = ce_core.StatsSpec(with_expected=True)
@@ -189,16 +194,6 @@ def test_every_tuned_forward_serves_the_rl_objective(generation, bucket):
         logp, entropy = ce_core.linear_log_probs(x, labels, w, return_entropy=True, implementation="pallas_tpu")
         return jnp.mean(logp) + 0.01 * jnp.mean(entropy)
 
-    def compile_fn():
-        with aot.compiling_for(generation) as device:
-            sharding = jax.sharding.SingleDeviceSharding(device)
-            args = (jax.ShapeDtypeStruct((n, h), bf16, sharding=sharding),
-                    jax.ShapeDtypeStruct((h, v), bf16, sharding=sharding),
-                    jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding))
-            return jax.jit(jax.value_and_grad(objective, argnums=(0, 1))).lower(*args).compile()
-
-    from ce_core.extend import compile_program
-
-    _, result = compile_program(compile_fn)
+    result = compile_value_and_grad(generation, objective, (n, h), (h, v))
     assert result.ok and result.temp_bytes is not None, result.error
     assert result.temp_bytes <= hbm_bound(n, h, v)
