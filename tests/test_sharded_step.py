@@ -400,25 +400,13 @@ def test_plain_call_compiles_for_a_v5p_topology_within_its_memory_bound(monkeypa
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
     mesh = jax.make_mesh(mesh_shape, ("data", "model"), devices=v5p_2x2x1)
     n, h, v = AOT_N, AOT_H, AOT_V
-
-    def arg(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
     loss_fn = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, logsumexp_weight=1e-4, implementation=backend)  # noqa: E731
     with jax.set_mesh(mesh):
         compiled = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 2))).lower(
-            arg((n, h), jnp.bfloat16, P("data", None)), arg((n,), jnp.int32, P("data")),
-            arg((h, v), jnp.bfloat16, w_spec)).compile()
-    hlo = compiled.as_text()
-    assert hlo is not None
-    data, vocab = mesh_shape[0], (mesh_shape[1] if w_spec == P(None, "model") else 1)
-    bound = 4 * h * v / vocab + 8 * (n / data) * h + 64 * 2**20
-    memory = compiled.memory_analysis()
-    assert memory is not None
-    temp = memory.temp_size_in_bytes
-    assert temp <= bound, f"{temp / 2**20:.0f} MiB of temporaries per device > {bound / 2**20:.0f} MiB"
-    assert all_gathers(hlo) == []
-    assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")
+            abstract(mesh, (n, h), jnp.bfloat16, P("data", None)), abstract(mesh, (n,), jnp.int32, P("data")),
+            abstract(mesh, (h, v), jnp.bfloat16, w_spec)).compile()
+    vocab_split = mesh_shape[1] if w_spec == P(None, "model") else 1
+    assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w=False, data_split=mesh_shape[0])
 
 
 @pytest.fixture(scope="module")
@@ -440,18 +428,14 @@ def compile_under_auto_axes(devices, generation, backend, w_spec, stated):
     """
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=devices)
     n, h, v = AOT_N, AOT_H, AOT_V
-
-    def arg(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
     specs = (P("data", None), w_spec) if stated else None
     loss_fn = lambda x_, y_, w_: linear_cross_entropy(x_, y_, w_, logsumexp_weight=1e-4, implementation=backend,  # noqa: E731
                                                       in_specs=specs)
     context = jax.set_mesh(mesh) if stated else contextlib.nullcontext()
     with context:
         return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 2))).lower(
-            arg((n, h), jnp.bfloat16, P("data", None)), arg((n,), jnp.int32, P("data")),
-            arg((h, v), jnp.bfloat16, w_spec)).compile()
+            abstract(mesh, (n, h), jnp.bfloat16, P("data", None)), abstract(mesh, (n,), jnp.int32, P("data")),
+            abstract(mesh, (h, v), jnp.bfloat16, w_spec)).compile()
 
 
 @pytest.mark.slow
@@ -485,19 +469,28 @@ def test_auto_axes_compile_for_a_v6e_topology_within_the_memory_bound(monkeypatc
     assert_within_the_auto_axes_bound(compiled, backend, vocab_split if stated else 1, gathers_w=w_layout == "fsdp")
 
 
-def assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w):
+def assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w, *, data_split=2, w_shape=None):
+    """Per device at most ``4HV/k + 8(N/d)H + 64 MiB`` of temporaries (``k`` = ``vocab_split``, ``d`` =
+    ``data_split``), no gather but of ``w`` (of ``w_shape``, ``(H, V)`` unless given), and that one only
+    when ``gathers_w``; the Pallas kernels in the program exactly when ``backend`` is pallas_tpu."""
     n, h, v = AOT_N, AOT_H, AOT_V
+    w_shape = w_shape or (h, v)
     hlo = compiled.as_text()
     assert hlo is not None
-    bound = 4 * h * v / vocab_split + 8 * (n / 2) * h + 64 * 2**20
+    bound = 4 * h * v / vocab_split + 8 * (n / data_split) * h + 64 * 2**20
     memory = compiled.memory_analysis()
     assert memory is not None
     temp = memory.temp_size_in_bytes
     assert temp <= bound, f"{temp / 2**20:.0f} MiB of temporaries per device > {bound / 2**20:.0f} MiB"
     # No gather of x, the labels or a [tokens, V] block; w gathered once, and only where it must be.
-    assert gathers_beyond(hlo, (n // 2, h), (h, v)) == [], all_gathers(hlo)
-    assert all_gathers(hlo) == ([(h, v)] if gathers_w else []), all_gathers(hlo)
+    assert gathers_beyond(hlo, (n // data_split, h), w_shape) == [], all_gathers(hlo)
+    assert all_gathers(hlo) == ([w_shape] if gathers_w else []), all_gathers(hlo)
     assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")
+
+
+def abstract(mesh, shape, dtype, spec):
+    """A ``ShapeDtypeStruct`` placed on ``mesh`` by ``spec`` (an argument to lower for a topology)."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
 @pytest.mark.slow
@@ -510,9 +503,6 @@ def test_log_probs_and_the_wrapper_compile_under_auto_axes_for_a_v5p_topology(mo
     n, h, v = AOT_N, AOT_H, AOT_V
     w_spec = P(None, "model")
 
-    def arg(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
     def objective(x_, y_, w_):
         if call == "wrapper":
             return sharded_linear_cross_entropy(x_, y_, w_, mesh=mesh, batch_axes=("data",), vocab_axis="model",
@@ -523,8 +513,8 @@ def test_log_probs_and_the_wrapper_compile_under_auto_axes_for_a_v5p_topology(mo
         return jnp.mean(logp) + 0.01 * jnp.mean(entropy)
 
     compiled = jax.jit(jax.value_and_grad(objective, argnums=(0, 2))).lower(
-        arg((n, h), jnp.bfloat16, P("data", None)), arg((n,), jnp.int32, P("data")),
-        arg((h, v), jnp.bfloat16, w_spec)).compile()
+        abstract(mesh, (n, h), jnp.bfloat16, P("data", None)), abstract(mesh, (n,), jnp.int32, P("data")),
+        abstract(mesh, (h, v), jnp.bfloat16, w_spec)).compile()
     assert_within_the_auto_axes_bound(compiled, "pallas_tpu", 1 if call == "log_probs_default" else 2,
                                       gathers_w=call == "log_probs_default")
 
@@ -552,9 +542,6 @@ def test_tied_head_argmax_and_per_token_temperature_compile_for_a_v5p_topology(m
     n, h, v = AOT_N, AOT_H, AOT_V
     x_spec, w_spec = P("data", None), P("model", None)
 
-    def arg(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
     def objective(x_, y_, w_, temperature):
         loss, argmax = linear_cross_entropy(x_, y_, w_, w_layout="vh", return_argmax=True, logit_soft_cap=30.0,
                                             temperature=temperature, implementation=backend,
@@ -564,16 +551,7 @@ def test_tied_head_argmax_and_per_token_temperature_compile_for_a_v5p_topology(m
     context = jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext()
     with context:
         compiled = jax.jit(jax.value_and_grad(objective, argnums=(0, 2), has_aux=True)).lower(
-            arg((n, h), jnp.bfloat16, x_spec), arg((n,), jnp.int32, P("data")),
-            arg((v, h), jnp.bfloat16, w_spec), arg((n,), jnp.float32, P("data"))).compile()
-    hlo = compiled.as_text()
-    assert hlo is not None
-    vocab_split = 1 if placement == "auto_default" else 2
-    bound = 4 * h * v / vocab_split + 8 * (n / 2) * h + 64 * 2**20
-    memory = compiled.memory_analysis()
-    assert memory is not None
-    temp = memory.temp_size_in_bytes
-    assert temp <= bound, f"{temp / 2**20:.0f} MiB of temporaries per device > {bound / 2**20:.0f} MiB"
-    assert gathers_beyond(hlo, (n // 2, h), (v, h)) == [], all_gathers(hlo)
-    assert all_gathers(hlo) == ([(v, h)] if placement == "auto_default" else []), all_gathers(hlo)
-    assert ("tpu_custom_call" in hlo) == (backend == "pallas_tpu")
+            abstract(mesh, (n, h), jnp.bfloat16, x_spec), abstract(mesh, (n,), jnp.int32, P("data")),
+            abstract(mesh, (v, h), jnp.bfloat16, w_spec), abstract(mesh, (n,), jnp.float32, P("data"))).compile()
+    default = placement == "auto_default"
+    assert_within_the_auto_axes_bound(compiled, backend, 1 if default else 2, gathers_w=default, w_shape=(v, h))
