@@ -11,9 +11,11 @@ from ce_core import Backend, RowStats, StatsSpec
 
 
 def logits_of(x: jax.Array, w: jax.Array, spec: StatsSpec, row_scale: jax.Array | None = None) -> jax.Array:
-    """``s_i * cap(x_i . w_j)`` in float32, ``[N, V]``, contracting on H whichever layout ``w`` has."""
+    """``s_i * cap(x_i . w_j)`` in float32, ``[N, V]``, contracting on H whichever layout ``w`` has, at
+    ``spec.precision`` (its transposes in the gradient too)."""
     contract = ((1,), (0,)) if spec.w_layout == "hv" else ((1,), (1,))
-    logits = jax.lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=jnp.float32)
+    logits = jax.lax.dot_general(x, w, (contract, ((), ())), precision=spec.precision,
+                                 preferred_element_type=jnp.float32)
     if spec.logit_soft_cap is not None:
         logits = spec.logit_soft_cap * jnp.tanh(logits / spec.logit_soft_cap)
     if spec.with_row_scale:

@@ -99,8 +99,9 @@ class XlaBackend(Backend):
         *,
         row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, self._plan_for(x, w, spec),
-                                        _scale(spec, row_scale))
+        with head.precision_scope(spec.precision):
+            return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, self._plan_for(x, w, spec),
+                                            _scale(spec, row_scale))
 
     def row_stats_and_grads(
         self,
@@ -113,8 +114,9 @@ class XlaBackend(Backend):
         *,
         row_scale: jax.Array | None = None,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
-        return fused.row_stats_and_grads(x, w, labels, spec, self._plan_for(x, w, spec), cotangent_fn, token_params,
-                                         _scale(spec, row_scale))
+        with head.precision_scope(spec.precision):
+            return fused.row_stats_and_grads(x, w, labels, spec, self._plan_for(x, w, spec), cotangent_fn,
+                                             token_params, _scale(spec, row_scale))
 
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "

@@ -8,6 +8,8 @@ never transposed or copied whole; ``dw`` tiles come out in ``w``'s layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -38,6 +40,15 @@ def vocab_slice(w: jax.Array, start: jax.Array | int, width: int, layout: str) -
 def update_slice(w: jax.Array, tile: jax.Array, start: jax.Array | int, layout: str) -> jax.Array:
     """``w`` with vocab entries ``[start, start + tile's width)`` replaced by ``tile``."""
     return jax.lax.dynamic_update_slice_in_dim(w, tile, start, axis=vocab_axis(layout))
+
+
+def precision_scope(precision: str | None) -> contextlib.AbstractContextManager[object]:
+    """The products traced inside run at ``precision`` (``StatsSpec.precision``; ``None``: JAX's default).
+
+    Every product here leaves ``precision`` to the enclosing ``jax.default_matmul_precision``, so each
+    entry point of the backend (and the custom VJP's backward, traced later) opens this scope.
+    """
+    return jax.default_matmul_precision(precision) if precision is not None else contextlib.nullcontext()
 
 
 def logits_product(x_chunk: jax.Array, w_tile: jax.Array, layout: str) -> jax.Array:

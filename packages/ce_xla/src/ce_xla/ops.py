@@ -12,7 +12,7 @@ import functools
 import jax
 
 from ce_core import RowStats, StatsSpec
-from ce_xla import backward, forward
+from ce_xla import backward, forward, head
 from ce_xla.tiling import ChunkPlan
 
 
@@ -20,17 +20,20 @@ from ce_xla.tiling import ChunkPlan
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, row_scale: jax.Array | None, spec: StatsSpec,
               plan: ChunkPlan) -> RowStats:
     """Row statistics of ``s cap(x . w)``; ``row_scale`` (``None`` unless asked) is not differentiated."""
-    return forward.row_stats(x, w, labels, spec, plan, row_scale)
+    with head.precision_scope(spec.precision):
+        return forward.row_stats(x, w, labels, spec, plan, row_scale)
 
 
 def _row_stats_fwd(x, w, labels, row_scale, spec, plan):
-    stats = forward.row_stats(x, w, labels, spec, plan, row_scale)
+    with head.precision_scope(spec.precision):
+        stats = forward.row_stats(x, w, labels, spec, plan, row_scale)
     return stats, (x, w, labels, row_scale, stats)
 
 
 def _row_stats_bwd(spec, plan, residuals, cotangent):
     x, w, labels, row_scale, stats = residuals
-    dx, dw = backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale)
+    with head.precision_scope(spec.precision):
+        dx, dw = backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale)
     return dx, dw, None, None
 
 
