@@ -6,7 +6,10 @@
 #
 # WHEEL_DIR holds this workspace's wheels (`uv build --all-packages -o dist`); they are installed with no
 # dependencies next to the machine's own jax[cuda]. PEER_SITE, if given, is a folder of importable
-# packages put on the path too (tokamax and its dependencies, to compare against). QUICK=1 runs the
+# packages put on the path too (tokamax and its dependencies, to compare against: the docs' run copied
+# tokamax, einshape, immutabledict, pydantic(_core), annotated_types, typing_inspection, qwix and
+# tensorboardX from `uv sync`'s environment, with a stand-in for xprof, which tokamax imports only
+# for its own profiler). QUICK=1 runs the
 # same steps at toy sizes (to try the script on a CPU first); PY names the interpreter (python3).
 set -u
 wheels=${1:?WHEEL_DIR}
