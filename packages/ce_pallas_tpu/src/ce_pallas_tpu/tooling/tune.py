@@ -73,7 +73,7 @@ LINE_LIMIT = 120
 NOTE_LIMIT = 200
 
 #: The generated module :func:`write_table` renders.
-TUNED_MODULE = Path(__file__).parent / "tuned.py"
+TUNED_MODULE = Path(__file__).parent.parent / "tuned.py"
 
 
 @dataclasses.dataclass(frozen=True)
