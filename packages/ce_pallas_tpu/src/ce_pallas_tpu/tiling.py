@@ -167,9 +167,13 @@ def _forward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | Non
 
 def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None], w_buffers: int | None,
                    target: Target) -> bool:
-    """As :func:`_forward_fits`, for the backward's tiles with ``w_buffers`` w/dw buffers; here only the
-    row scale is per-row state (the entropy's expected logit and a soft cap add whole temporary tiles)."""
-    example = dataclasses.replace(compiled_at, with_argmax=shape.with_argmax, with_row_scale=shape.with_row_scale)
+    """As :func:`_forward_fits`, for the backward's tiles with ``w_buffers`` w/dw buffers. The row scale is
+    per-row state here too; the entropy's expected logit adds a float32 ``[b, v]`` tile, but every entry
+    compiles with it at its example (the AOT tests compile the RL objective at every bucket), so it is
+    judged like the per-row state: against the example given it too. A soft cap (two more tiles) is
+    judged against the example as it was compiled."""
+    example = dataclasses.replace(compiled_at, with_argmax=shape.with_argmax, with_row_scale=shape.with_row_scale,
+                                  with_expected=shape.with_expected)
     mxu_side = target.facts.mxu_side
 
     def need(problem: Shape) -> int:
