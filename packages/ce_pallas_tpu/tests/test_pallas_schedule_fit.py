@@ -63,3 +63,27 @@ def test_a_step_moves_at_least_its_changing_operand_blocks():
     backward = block_bytes_per_step(Job("backward", 8192, 4096, 128256), cfg)
     # x and the float32 dx partial in and out every step; w and dw once per vocab block (8 steps).
     assert backward == pytest.approx(1024 * 4096 * (2 + 8) + 2 * 4096 * 2048 * 2 / 8)
+
+
+def test_a_job_the_profiler_aborted_on_keeps_its_variant(monkeypatch):
+    """libtpu's profiler kills the worker on some kernels: that job's row says so, still naming what was
+    asked (the RL objective's rows once read "plain"), and the jobs after it run in a fresh worker."""
+    from ce_pallas_tpu.tooling import schedule
+    from ce_pallas_tpu.tooling.schedule.records import Job, KernelSchedule
+
+    jobs = [Job("backward", 4096, 4096, 128256, with_expected=True), Job("forward", 4096, 4096, 128256)]
+    calls = []
+
+    def worker(generation, remaining, quiet):
+        calls.append(list(remaining))
+        if len(calls) == 1:
+            return [], "libtpu aborted (signal 6): LLO_CHECK failure"
+        job = remaining[0]
+        return [KernelSchedule(generation, job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype,
+                               variant=job.variant, ratio=1.02)], None
+
+    monkeypatch.setattr(schedule, "_run_worker", worker)
+    aborted, measured = schedule.measure("v5p", jobs)
+    assert (aborted.variant, aborted.error) == ("rl", "libtpu aborted (signal 6): LLO_CHECK failure")
+    assert (measured.kernel, measured.variant, measured.ratio) == ("forward", "", 1.02)
+    assert calls == [jobs, jobs[1:]]

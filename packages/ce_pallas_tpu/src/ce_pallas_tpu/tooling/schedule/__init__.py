@@ -50,7 +50,7 @@ def measure(generation: str, jobs: Sequence[Job], *, quiet: bool = False) -> lis
         if failure is not None:
             job = jobs[len(results)]
             results.append(KernelSchedule(generation, job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype,
-                                          error=failure))
+                                          variant=job.variant, error=failure))
     return results
 
 
