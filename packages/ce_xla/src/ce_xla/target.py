@@ -34,8 +34,9 @@ Measured ahead of time at N=8192 H=4096 V=128256 bf16, these tiles add 0.4 MiB (
 37 MiB (v5p) to the ``4NH`` float32 ``dx`` (128 MiB); the statistics tiles are dead by then.
 
 On GPU the same tiles ran at 2.34x the three-matmul floor (fwd+bwd, H200, N=8192 H=4096 V=128256
-bf16): XLA launches each tile's products and elementwise work as separate kernels and steps the loop
-between them, so the 63 x 8 gradient tiles of ``[1024, 2048]`` pay that overhead 504 times. Four times
+bf16). A loop step on a GPU is several kernel launches (the tile's products, its elementwise work)
+and a loop-control round; the 63 x 8 gradient tiles of ``[1024, 2048]`` pay that 504 times, the likely
+cause (not profiled: the session had 15 minutes of GPU). Four times
 the budgets (256 MiB statistics tiles, 128 MiB ``dw`` slices, 64 MiB gradient and recompute tiles:
 ``[2048, 8192]`` gradient tiles there, 64 of them) measured, interleaved in one run
 (``benchmarks/gpu_xla_tiles.py``):
