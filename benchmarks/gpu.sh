@@ -10,7 +10,9 @@
 # tokamax, einshape, immutabledict, pydantic(_core), annotated_types, typing_inspection, qwix and
 # tensorboardX from `uv sync`'s environment, with a stand-in for xprof, which tokamax imports only
 # for its own profiler). QUICK=1 runs the
-# same steps at toy sizes (to try the script on a CPU first); PY names the interpreter (python3).
+# same steps at toy sizes (to try the script on a CPU first); PY names the interpreter (python3); STEPS
+# names the steps to run (default: "heads rl oracle tests tokens"; "forward" times the `xla` forward
+# alone under larger statistics budgets, benchmarks/gpu_xla_tiles.py --forward).
 set -u
 wheels=${1:?WHEEL_DIR}
 out=${2:?OUT_DIR}
@@ -45,24 +47,35 @@ else
 fi
 
 if [ "${QUICK:-0}" = 1 ]; then
-  big=tiny rl=tiny check=tiny tokens=(--tokens 512)
+  big=tiny rl=tiny check=tiny tokens=(--tokens 512) quick=(--quick)
 else
-  big=llama3-8b,gemma3 rl=rl-qwen2.5-1.5b check=small tokens=(--tokens 32768)
+  big=llama3-8b,gemma3 rl=rl-qwen2.5-1.5b check=small tokens=(--tokens 32768) quick=()
 fi
+steps=" ${STEPS:-heads rl oracle tests tokens} "
+want() { [[ $steps == *" $1 "* ]]; }
 # The head-to-head at the presets' full N (bf16), then the RL objective, then float32/bf16 against the
 # float64 oracle at a size it can hold, the backends' tests, and the Llama-3 head at 32768 tokens.
-bench heads 120 --backends "$backends" --shapes "$big" --dtype bfloat16 --repeats 10 --memory-shapes none
-bench rl 40 --backends "$backends" --shapes "$rl" --dtype bfloat16 --objective rl --repeats 10 \
+want heads && bench heads 120 --backends "$backends" --shapes "$big" --dtype bfloat16 --repeats 10 --memory-shapes none
+want rl && bench rl 40 --backends "$backends" --shapes "$rl" --dtype bfloat16 --objective rl --repeats 10 \
   --memory-shapes none
-bench oracle 40 --backends "$backends" --shapes "$check" --dtype float32,bfloat16 --repeats 5 \
+want oracle && bench oracle 40 --backends "$backends" --shapes "$check" --dtype float32,bfloat16 --repeats 5 \
   --memory-shapes none
 # The parity tests hold float32 to 1e-4 against the oracle: on GPU JAX's default float32 matmul
 # precision is TF32 (the reference itself misses by 3e-4 there), so they run at "highest".
-echo "== tests" | tee -a "$out/log.txt"
-JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 "$py" -m pytest \
-  -p no:cacheprovider -q -x -o addopts="--import-mode=importlib -ra" -k "not pallas" tests/test_parity.py \
-  tests/test_log_probs.py >"$out/tests.txt" 2>&1
-echo "== tests: exit $?" | tee -a "$out/log.txt"
-tail -5 "$out/tests.txt"
-bench tokens 60 --backends reference,xla${backends#reference,xla} --shapes "${big%%,*}" "${tokens[@]}" \
+if want tests; then
+  echo "== tests" | tee -a "$out/log.txt"
+  JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 "$py" -m pytest \
+    -p no:cacheprovider -q -x -o addopts="--import-mode=importlib -ra" -k "not pallas" tests/test_parity.py \
+    tests/test_log_probs.py >"$out/tests.txt" 2>&1
+  echo "== tests: exit $?" | tee -a "$out/log.txt"
+  tail -5 "$out/tests.txt"
+fi
+if want forward; then
+  echo "== forward" | tee -a "$out/log.txt"
+  timeout 200 "$py" benchmarks/gpu_xla_tiles.py --forward --repeats 10 "${quick[@]}" \
+    >"$out/forward.md" 2>>"$out/log.txt"
+  echo "== forward: exit $?" | tee -a "$out/log.txt"
+  tee -a "$out/log.txt" <"$out/forward.md"
+fi
+want tokens && bench tokens 200 --backends reference,xla${backends#reference,xla} --shapes "${big%%,*}" "${tokens[@]}" \
   --dtype bfloat16 --repeats 5 --memory-shapes none

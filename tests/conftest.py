@@ -13,7 +13,8 @@ import pytest
 
 import ce_core
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -32,16 +33,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend_name", names)
 
 
+def _load_script(path: Path) -> ModuleType:
+    """Import a script that is not part of a package, as a module named after its folder and file."""
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def load_example() -> Callable[[str], ModuleType]:
     """Import a script of ``examples/`` by file name (the examples are not a package)."""
+    return lambda filename: _load_script(EXAMPLES / filename)
 
-    def load(filename: str) -> ModuleType:
-        spec = importlib.util.spec_from_file_location(f"example_{Path(filename).stem}", EXAMPLES / filename)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
 
-    return load
+@pytest.fixture(scope="session")
+def load_benchmark_script() -> Callable[[str], ModuleType]:
+    """Import a script of ``benchmarks/`` by file name (the GPU scripts, run by hand on a GPU)."""
+    return lambda filename: _load_script(ROOT / "benchmarks" / filename)

@@ -51,6 +51,20 @@ def test_sizes_above_the_dimension_mean_one_chunk():
     assert (plan.token_chunk, plan.vocab_chunk) == (10, 50) and plan.full_rows
 
 
+def test_statistics_rows_are_spread_evenly_over_their_chunks():
+    """The last token chunk starts early and overlaps the one before: evened-out chunks recompute few rows."""
+    full = plan_chunks(4096, 1536, 151936, order="vocab_outer", budget_bytes=2**30, platform="gpu")
+    assert full.full_rows and full.token_chunks == 3  # 1 GiB holds 1760 rows: three chunks
+    assert full.token_chunk == 1368 and 3 * 1368 - 4096 == 8  # not 3 x 1760 (1184 rows done twice)
+    tiled = plan_chunks(5000, 4096, 128256, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="tpu")
+    assert not tiled.full_rows and (tiled.token_chunk, tiled.token_chunks) == (1000, 5)  # not 1024-row chunks
+    for n in (1, 7, 1023, 1025, 4097, 16381):
+        plan = plan_chunks(n, 512, 32768)
+        assert plan.token_chunk % 8 == 0 or plan.token_chunk == n
+        assert plan.token_chunks * plan.token_chunk - n < 8 * plan.token_chunks, n  # overlap under 8 rows a chunk
+        assert plan.token_chunk * plan.vocab_chunk * 4 <= LOGITS_BUDGET_BYTES
+
+
 def test_budget_scales_the_token_chunk():
     assert plan_chunks(4096, 512, 32768, budget_bytes=16 * 2**20).token_chunk == 128
 
@@ -111,12 +125,16 @@ def test_gpu_tiles_are_four_times_larger():
     (1.80x instead of 2.34x the three-matmul floor on an H200, ce_xla.target)."""
     plan = plan_chunks(8192, 4096, 128256, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="gpu")
     assert plan.gradient_order == "vocab_outer"
-    assert (plan.token_chunk, plan.vocab_chunk) == (1024, 65536)
+    assert (plan.token_chunk, plan.vocab_chunk) == (1024, 128256)  # whole rows: no column slice of w to copy
     assert (plan.grad_token_chunk, plan.grad_chunk) == (2048, 8192)
     assert 4 * plan.h * plan.grad_chunk == 128 * 2**20 and 4 * plan.grad_token_chunk * plan.grad_chunk == 64 * 2**20
     assert plan.grad_chunks * plan.grad_token_chunks == 16 * 4
     rl = plan_chunks(4096, 1536, 151936, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="gpu")
     assert (rl.grad_token_chunk, rl.grad_chunk) == (768, 21760)  # the x4 row of the measured table
+    assert (rl.token_chunk, rl.vocab_chunk) == (824, 151936)  # 5 chunks of whole rows, evened out
+    gemma = plan_chunks(8192, 2560, 262144, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, platform="gpu")
+    assert (gemma.token_chunk, gemma.vocab_chunk) == (512, 262144)  # 512 MiB: whole rows from 512 of them
+    assert 4 * gemma.token_chunk * gemma.vocab_chunk == 512 * 2**20
 
 
 def test_vocab_outer_tiles_on_cpu():

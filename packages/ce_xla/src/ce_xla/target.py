@@ -36,13 +36,12 @@ Measured ahead of time at N=8192 H=4096 V=128256 bf16, these tiles add 0.4 MiB (
 On GPU the same tiles ran at 2.34x the three-matmul floor (fwd+bwd, H200, N=8192 H=4096 V=128256
 bf16). A loop step on a GPU is several kernel launches (the tile's products, its elementwise work)
 and a loop-control round; the 63 x 8 gradient tiles of ``[1024, 2048]`` pay that 504 times, the likely
-cause (not profiled: the session had 15 minutes of GPU). Four times
-the budgets (256 MiB statistics tiles, 128 MiB ``dw`` slices, 64 MiB gradient and recompute tiles:
-``[2048, 8192]`` gradient tiles there, 64 of them) measured, interleaved in one run
+cause. Four times the budgets (256 MiB statistics tiles, 128 MiB ``dw`` slices, 64 MiB gradient and
+recompute tiles: ``[2048, 8192]`` gradient tiles there, 64 of them) measured, interleaved in one run
 (``benchmarks/gpu_xla_tiles.py``):
 
 ==================================  ==============  ==============  ==========  ==================
-shape (bf16), objective             ACCELERATOR     x2 budgets      x4 (GPU)    x8 budgets
+shape (bf16), objective             ACCELERATOR     x2 budgets      x4          x8 budgets
 ==================================  ==============  ==============  ==========  ==================
 8192x4096x128256 (Llama-3 8B), mean  2.34x, 204 MiB  1.82x, 256 MiB  1.80x, 368  1.61x, 928 MiB
 8192x2560x262144 (Gemma 3), mean     2.57x, 142 MiB  2.00x, 230 MiB  1.94x, 373  2.13x, 859 MiB
@@ -52,6 +51,14 @@ shape (bf16), objective             ACCELERATOR     x2 budgets      x4 (GPU)    
 (times over the floor, fwd+bwd temporaries). x8 wins only at Llama-3 and costs 2.5x the memory; the
 fused tokens-outer path with 1 GiB row chunks reached 1.44x and 1.72x on the first two, but holds a
 float32 ``[H, V]`` ``dw`` (2.9-3.2 GiB), which is what vocab outer exists to avoid.
+
+The x4 statistics tiles (``[1024, 65536]``) still sliced ``w``'s columns, and XLA copies such a slice
+on a GPU, once per tile: the forward alone took 1.46x one bare matmul at Llama-3 8B, 1.40x at Gemma 3
+and 1.90x for the RL objective, where whole-row tiles from 512 rows (a 512 MiB budget) took 1.02x,
+1.02x and 1.26x (the reference's forward: 1.06x, 1.10x, 1.30x). Fwd+bwd, in one run: 1.76x -> 1.61x,
+1.98x -> 1.85x, 2.40x -> 2.12x, temporaries unchanged at the first two (the gradient pass is the
+peak) and 313 -> 478 MiB for the RL objective. A 1 GiB budget gained 0.01-0.04 more for up to 793
+MiB. ``GPU`` is that: x4 with 512 MiB statistics tiles of whole rows from 512 of them.
 
 On CPU (2-core x86, AVX-512) caches, not bandwidth, set the sizes. The statistics pass keeps the
 full-row rule (64 MiB: 512 rows at V = 32k), and the gradient tiles are smaller: 8 MiB ``dw``
@@ -98,7 +105,10 @@ CPU = PlatformBudgets(grad_slice_bytes=8 * MiB, stats_rows=32, dw_slice_bytes=8 
 ACCELERATOR = PlatformBudgets()
 #: Four times the tiles on GPU: every tile of a ``fori_loop`` there is a few kernel launches and a loop
 #: step, so ``ACCELERATOR``'s 504 gradient tiles at Llama-3 8B cost more than their arithmetic.
-GPU = PlatformBudgets(logits_bytes=256 * MiB, dw_slice_bytes=128 * MiB, grad_tile_bytes=64 * MiB,
+#: Its statistics tiles hold whole rows from 512 of them: a vocab-chunked tile slices ``w``'s columns, which
+#: XLA copies on a GPU, once per tile (the forward at Llama-3 8B: 21.0 ms in ``[1024, 65536]`` tiles,
+#: 14.7 ms in ``[1024, 128256]`` ones, one bare matmul 14.4 ms).
+GPU = PlatformBudgets(logits_bytes=512 * MiB, stats_rows=512, dw_slice_bytes=128 * MiB, grad_tile_bytes=64 * MiB,
                       recompute_tile_bytes=64 * MiB)
 BUDGETS = {"cpu": CPU, "gpu": GPU, "tpu": ACCELERATOR}
 

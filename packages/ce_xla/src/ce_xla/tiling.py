@@ -27,15 +27,19 @@ The extra accumulator is then at most ``min(4NH + 64 MiB, 4HV)`` bytes: never ``
 bf16 ``w`` (2 GiB at H=4096, V=128256).
 
 **Chunk sizes** come from the platform's budgets (:mod:`ce_xla.target`, which gives the
-figures; ``budget`` = 64 MiB float32 logits, 256 MiB on GPU):
+figures; ``budget`` = 64 MiB float32 logits, 512 MiB on GPU):
 
 1. Full rows when at least ``min_rows`` rows fit: ``vocab_chunk = V``, ``token_chunk = budget //
-   (4 V)`` rounded down to a multiple of :data:`TOKEN_ALIGN`, capped at N. ``min_rows`` is
+   (4 V)`` rounded down to a multiple of :data:`TOKEN_ALIGN`, capped at N, then evened out over the
+   chunks that takes (``ceil(N / rows)`` chunks of ``ceil(N / chunks)`` rows, aligned up), so the
+   overlapping last chunk recomputes few rows (at 4096 tokens, 1760-row chunks recomputed 1184
+   rows; three chunks of 1368 recompute 8). ``min_rows`` is
    :data:`MIN_FULL_ROW_TOKENS` (32) tokens outer, where full rows feed the 6NHV pass, and the
    platform's ``stats_rows`` vocab outer (1024 on accelerators, where every token chunk streams
    all of ``w`` and fewer rows would be bandwidth-bound; 32 on CPU).
 2. Otherwise a vocab-chunked tile: ``token_chunk`` = :data:`VOCAB_MODE_TOKENS` tokens outer or
-   ``stats_rows`` vocab outer (capped at N), and ``vocab_chunk = budget // (4 token_chunk)`` (tokens
+   ``stats_rows`` vocab outer (capped at N, evened out likewise), and
+   ``vocab_chunk = budget // (4 token_chunk)`` (tokens
    outer: ``// (4 max(token_chunk, H))``, since its ``[H, vocab_chunk]`` ``dw`` tile must fit too),
    a multiple of :data:`VOCAB_ALIGN`.
 3. Tokens outer, ``grad_chunk`` is V when ``4HV`` fits the platform's ``grad_slice_bytes`` (8 MiB
@@ -220,7 +224,7 @@ def _stats_tile(n: int, h: int, v: int, token: int | None, vocab: int | None, or
             vocab = _align_down(budget_cols // max(rows, dw_rows, 1), VOCAB_ALIGN)
     vocab = min(vocab, v)
     if token is None:
-        token = _align_down(budget_cols // v, TOKEN_ALIGN) if vocab == v else tiled_rows
+        return _even_rows(n, _align_down(budget_cols // v, TOKEN_ALIGN) if vocab == v else tiled_rows), vocab
     return min(token, n), vocab
 
 
@@ -236,7 +240,12 @@ def _vocab_outer_tile(n: int, h: int, v: int, rows: int | None, cols: int | None
 def _recompute_rows(n: int, token: int, grad: int, budget_bytes: int) -> int:
     """Rows of a tokens-outer recompute tile ``[rows, grad]`` (rule 3): float32 within ``budget_bytes``,
     at least ``token``, and evened out over the ``ceil(n / rows)`` chunks so the last one barely overlaps."""
-    rows = max(_align_down(budget_bytes // _F32 // max(grad, 1), TOKEN_ALIGN), token)
+    return _even_rows(n, max(_align_down(budget_bytes // _F32 // max(grad, 1), TOKEN_ALIGN), token))
+
+
+def _even_rows(n: int, rows: int) -> int:
+    """At most ``rows`` rows per chunk, evened out over the ``ceil(n / rows)`` chunks (aligned), so the
+    last chunk, which starts early and overlaps the one before it, recomputes few rows."""
     if rows >= n:
         return n
     per_chunk = _ceil_div(n, _ceil_div(n, rows))
