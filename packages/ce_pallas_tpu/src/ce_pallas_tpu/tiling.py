@@ -143,6 +143,14 @@ def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool,
     return KernelTiles(block_b, block_h, block_v, tiles.w_buffers if backward else None)
 
 
+def _given_features(compiled_at: Shape, shape: Shape) -> Shape:
+    """The problem an entry compiled at, given this problem's per-row features (the argmax, the row
+    scale, the entropy's expected logit): the AOT tests compile every entry with them, so an entry is
+    judged against its example with them too. A soft cap is not given: judged as compiled."""
+    return dataclasses.replace(compiled_at, with_argmax=shape.with_argmax, with_row_scale=shape.with_row_scale,
+                               with_expected=shape.with_expected)
+
+
 def _forward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None], target: Target) -> bool:
     """Whether an entry's forward tiles fit this problem: by the VMEM model, within the target's budget
     or no more than at the problem ``compiled_at`` (its bucket's example, or the cached problem it was
@@ -154,15 +162,15 @@ def _forward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | Non
     example, given them too, would fit (the AOT tests compile every entry so). A soft cap adds whole
     temporary tiles: judged against the example as it was compiled.
     """
-    example = dataclasses.replace(compiled_at, with_argmax=shape.with_argmax, with_row_scale=shape.with_row_scale,
-                                  with_expected=shape.with_expected)
-    mxu_side = target.facts.mxu_side
+    side = target.facts.mxu_side
+    example_need = _forward_need(_given_features(compiled_at, shape), tiles, side)
+    return _forward_need(shape, tiles, side) <= max(vmem_budget(target), example_need)
 
-    def need(problem: Shape) -> int:  # the tiles fitted to each problem (a whole hidden dimension is its own)
-        fitted = fit_tiles(problem, tiles, backward=False, mxu_side=mxu_side)
-        return cost_model.forward_bytes(problem, fitted.block_b, fitted.block_h, fitted.block_v, mxu_side=mxu_side)
 
-    return need(shape) <= max(vmem_budget(target), need(example))
+def _forward_need(problem: Shape, tiles: KernelTiles[int | None], mxu_side: int) -> int:
+    """VMEM of the forward tiles fitted to ``problem`` (a whole hidden dimension is the problem's own)."""
+    fitted = fit_tiles(problem, tiles, backward=False, mxu_side=mxu_side)
+    return cost_model.forward_bytes(problem, *fitted.sizes, mxu_side=mxu_side)
 
 
 def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None], w_buffers: int | None,
@@ -172,8 +180,7 @@ def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | No
     compiles with it at its example (the AOT tests compile the RL objective at every bucket), so it is
     judged like the per-row state: against the example given it too. A soft cap (two more tiles) is
     judged against the example as it was compiled."""
-    example = dataclasses.replace(compiled_at, with_argmax=shape.with_argmax, with_row_scale=shape.with_row_scale,
-                                  with_expected=shape.with_expected)
+    example = _given_features(compiled_at, shape)
     mxu_side = target.facts.mxu_side
 
     def need(problem: Shape) -> int:
@@ -284,10 +291,67 @@ def rows_for_hidden(block_b: int, example_hp: int, hp: int) -> int:
     return max(block_b, min(rows, MAX_SCALED_ROWS))
 
 
-def _with_rows_for_hidden(shape: Shape, compiled_at: Shape, entry: TunedEntry, target: Target) -> TunedEntry | None:
-    """The entry with its backward token block scaled to this problem's hidden size, where that changes
-    it and the scaled tiles fit the VMEM budget by the model (None otherwise)."""
-    backward = entry.backward
+#: The most token rows and vocab columns the hidden-size rule gives a forward step.
+MAX_SCALED_FORWARD_ROWS = 4096
+MAX_SCALED_FORWARD_COLUMNS = 8192
+
+
+def forward_steps_for_hidden(block_b: int, block_v: int, example_hp: int, hp: int, n: int,
+                             v: int) -> list[tuple[int, int]]:
+    """The forward's ``(block_b, block_v)`` for a hidden size ``hp`` narrower than the example's, and the
+    smaller steps on the way there, largest last.
+
+    The streamed forward pays a fixed cost per step (its DMA and pipeline bookkeeping, the overflow
+    check) and a cost per token row (the lane state), so a step tuned at ``H=4096`` spends more of its
+    time on them at ``H=1024``. The rule keeps the step's matmul work about what the tuner chose at the
+    example: ``example_hp / hp`` times the block, to the nearest power of two, by doubling the narrower
+    side (columns on a tie), at most :data:`MAX_SCALED_FORWARD_ROWS` rows (and ``N``) and
+    :data:`MAX_SCALED_FORWARD_COLUMNS` columns (and ``V``). v6e, 4096x1024x151936: the table's
+    2048/all/2048 1.140 of the MXU minimum, 2048/all/4096 1.093, 4096/all/4096 1.076; v5e 1024/all/1024
+    1.074, 2048/all/2048 1.028 (docs/benchmarks.md, issue 25).
+    """
+    steps = [(block_b, block_v)]
+    if hp >= example_hp:
+        return steps
+    doublings = round(math.log2(example_hp / hp))
+    rows_cap = min(MAX_SCALED_FORWARD_ROWS, max(block_b, round_up(n, SUBLANES)))
+    columns_cap = min(MAX_SCALED_FORWARD_COLUMNS, max(block_v, round_up(v, LANES)))
+    for _ in range(doublings):
+        rows_fit, columns_fit = 2 * block_b <= rows_cap, 2 * block_v <= columns_cap
+        if columns_fit and (block_v <= block_b or not rows_fit):
+            block_v *= 2
+        elif rows_fit:
+            block_b *= 2
+        else:
+            break
+        steps.append((block_b, block_v))
+    return steps
+
+
+def _forward_for_hidden(shape: Shape, compiled_at: Shape, forward: KernelTiles[int | None],
+                        target: Target) -> KernelTiles[int | None] | None:
+    """The entry's forward tiles grown for this problem's hidden size: the largest step of
+    :func:`forward_steps_for_hidden` whose VMEM by the model is within the budget or no more than the
+    entry's own at its example, where libtpu compiled it (a narrower ``x`` block leaves that room; the
+    slow tier compiles the model heads so). None: no larger step fits, or the hidden dimension is
+    blocked."""
+    if forward.block_h is not None:
+        return None
+    side = target.facts.mxu_side
+    room = max(vmem_budget(target), _forward_need(_given_features(compiled_at, shape), forward, side))
+    steps = forward_steps_for_hidden(forward.block_b, forward.block_v, compiled_at.hp, shape.hp, shape.n, shape.v)
+    for block_b, block_v in reversed(steps[1:]):
+        scaled = dataclasses.replace(forward, block_b=block_b, block_v=block_v)
+        if _forward_need(shape, scaled, side) <= room:
+            return scaled
+    return None
+
+
+def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles[int | None],
+                         target: Target) -> KernelTiles[int | None] | None:
+    """The entry's backward tiles with the token block scaled to this problem's hidden size
+    (:func:`rows_for_hidden`), where that changes it and the scaled tiles fit the VMEM budget by the
+    model (None otherwise)."""
     rows = rows_for_hidden(backward.block_b, compiled_at.hp, shape.hp)
     while rows > backward.block_b:  # the most rows that fit, halving down to the entry's own
         if rows <= round_up(shape.n, SUBLANES):
@@ -296,22 +360,32 @@ def _with_rows_for_hidden(shape: Shape, compiled_at: Shape, entry: TunedEntry, t
             # With the entry's w/dw buffers: a second buffer hides the w block's copy, worth more than
             # rows (v6e Gemma-2 2B: 512 rows with one buffer 1.212, 256 rows with two 1.075-1.13).
             if cost_model.backward_bytes(shape, *fitted.sizes, single_w=backward.w_buffers != 2) <= vmem_budget(target):
-                return dataclasses.replace(entry, backward=scaled)
+                return scaled
         rows //= 2
     return None
 
 
+def _scaled_for_hidden(shape: Shape, compiled_at: Shape, entry: TunedEntry,
+                       target: Target) -> tuple[TunedEntry, list[str]]:
+    """The entry with each kernel's step grown for a hidden size narrower than its example's, where
+    that fits, and what was grown, in words."""
+    forward = _forward_for_hidden(shape, compiled_at, entry.forward, target)
+    backward = _backward_for_hidden(shape, compiled_at, entry.backward, target)
+    grown = [words for words, tiles in (("forward steps", forward), ("backward rows", backward)) if tiles]
+    return dataclasses.replace(entry, forward=forward or entry.forward, backward=backward or entry.backward), grown
+
+
 def _table_tiles(shape: Shape, target: Target) -> Tiles | None:
     """The table entry for this problem fitted to it, when it fits (None: no entry, or it does not fit);
-    the backward's token block scaled to a narrower hidden size than the example's where that fits."""
+    each kernel's step grown for a narrower hidden size than the example's where that fits."""
     bucket = shape_bucket(shape.n, shape.hp, shape.v)
     entry = tuned_table().get((target.generation, bucket))
     if entry is None:
         return None
     example, source = bucket_example(bucket), f"table:{target.generation}/{bucket}"
-    scaled = _with_rows_for_hidden(shape, example, entry, target)
-    if scaled is not None:
-        tiles = _fitted_entry(shape, example, scaled, target, f"{source} (backward rows for H={shape.hp})")
+    scaled, grown = _scaled_for_hidden(shape, example, entry, target)
+    if grown:
+        tiles = _fitted_entry(shape, example, scaled, target, f"{source} ({' and '.join(grown)} for H={shape.hp})")
         if tiles is not None:
             return tiles
     return _fitted_entry(shape, example, entry, target, source)

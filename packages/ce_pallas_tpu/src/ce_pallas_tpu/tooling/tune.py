@@ -49,11 +49,13 @@ HBM_SHARE = 0.8
 #: ...and candidates under this share, with at least this many MXU cycles per step, come first.
 HBM_COMFORT = 0.6
 MIN_STEP_CYCLES = 16384
-#: The streamed forward's per-step cost (its per-lane state, the overflow check) is paid per token
-#: row, so longer steps hide it better: up to this many MXU cycles per step, longer ranks first.
-FORWARD_LONG_STEP = 65536
-FORWARD_TOKENS = (256, 512, 1024, 2048)
-FORWARD_COLUMNS = (256, 512, 1024, 2048)
+#: The streamed forward's per-step cost (the step's DMA and pipeline bookkeeping, its per-lane state,
+#: the overflow check) is paid per step and per token row, so longer steps hide it better: up to this
+#: many MXU cycles per step, longer ranks first. (v6e, 4096x896x151936: 1024/all/2048 1.191 of the MXU
+#: minimum, 2048/all/4096 1.089, 4096/all/4096 1.071.)
+FORWARD_LONG_STEP = 131072
+FORWARD_TOKENS = (256, 512, 1024, 2048, 4096)
+FORWARD_COLUMNS = (256, 512, 1024, 2048, 4096, 8192)
 BACKWARD_TOKENS = (128, 256, 512, 1024)
 BACKWARD_COLUMNS = (512, 1024, 1536, 2048)
 BACKWARD_CHUNK = 512
