@@ -125,14 +125,29 @@ def compile_variants(
     return variants
 
 
-def measure_shape(label: str, n: int, h: int, v: int, repeats: int, platform: str,
-                  only: str | None = None) -> list[str]:
-    """The table rows of one shape: every variant and the floor, timed in the same rounds."""
-    objective = "rl" if label.startswith("rl") else "mean"
+def _problem(label: str, n: int, h: int, v: int) -> tuple[str, jax.Array, jax.Array, jax.Array]:
+    """``(objective, x, labels, w)`` of one shape: bf16, logits of order 1; ``rl*`` labels the RL objective."""
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (n, h), jnp.bfloat16)
     w = (jax.random.normal(keys[1], (h, v), jnp.float32) / h**0.5).astype(jnp.bfloat16)
     labels = jax.random.randint(keys[2], (n,), 0, v)
+    return ("rl" if label.startswith("rl") else "mean"), x, labels, w
+
+
+def _row(shape: str, objective: str, name: str, described: str, timing: Any, base_ms: float | None,
+         temp_mib: float, digits: int) -> str:
+    """One table row: the median time, its ratio to ``base_ms`` and the temporaries (or the error)."""
+    ms = timing.median_ms
+    if ms is None:
+        return f"| {shape} | {objective} | {name} | {described} | {timing.error} | | |"
+    ratio = f"{ms / base_ms:.2f}x" if base_ms else "-"
+    return f"| {shape} | {objective} | {name} | {described} | {ms:.{digits}f} | {ratio} | {temp_mib:.0f} |"
+
+
+def measure_shape(label: str, n: int, h: int, v: int, repeats: int, platform: str,
+                  only: str | None = None) -> list[str]:
+    """The table rows of one shape: every variant and the floor, timed in the same rounds."""
+    objective, x, labels, w = _problem(label, n, h, v)
     variants = compile_variants(objective, x, labels, w, platform, only)
     contenders: dict[str, Callable[[], Any]] = {
         name: functools.partial(compiled, x, labels, w) for name, (compiled, _, _) in variants.items()
@@ -142,14 +157,7 @@ def measure_shape(label: str, n: int, h: int, v: int, repeats: int, platform: st
     floor_ms = timings["matmul floor"].median_ms
     rows = []
     for name, (_, described, temp_mib) in variants.items():
-        ms = timings[name].median_ms
-        if ms is None:
-            rows.append(f"| {label} | {objective} | {name} | {described} | {timings[name].error} | | |")
-            continue
-        ratio = f"{ms / floor_ms:.2f}x" if floor_ms else "-"
-        rows.append(
-            f"| {label} {n}x{h}x{v} | {objective} | {name} | {described} | {ms:.1f} | {ratio} | {temp_mib:.0f} |"
-        )
+        rows.append(_row(f"{label} {n}x{h}x{v}", objective, name, described, timings[name], floor_ms, temp_mib, 1))
     rows.append(f"| {label} | | matmul floor | | {floor_ms:.1f} | 1.00x | |")
     return rows
 
@@ -162,11 +170,7 @@ def selected(name: str, only: str | None) -> bool:
 def measure_forward(label: str, n: int, h: int, v: int, repeats: int, platform: str,
                     only: str | None = None) -> list[str]:
     """The table rows of one shape's forward: every statistics budget, the reference and one matmul."""
-    objective = "rl" if label.startswith("rl") else "mean"
-    keys = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(keys[0], (n, h), jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (h, v), jnp.float32) / h**0.5).astype(jnp.bfloat16)
-    labels = jax.random.randint(keys[2], (n,), 0, v)
+    objective, x, labels, w = _problem(label, n, h, v)
     backend = ce_core.get_backend("xla")
     assert isinstance(backend, XlaBackend)
     original = target.BUDGETS[platform]
@@ -188,16 +192,9 @@ def measure_forward(label: str, n: int, h: int, v: int, repeats: int, platform: 
     floor_ms = timings["one matmul"].median_ms
     rows = []
     for name, (compiled, described) in programs.items():
-        ms = timings[name].median_ms
         memory = compiled.memory_analysis()
         temp_mib = memory.temp_size_in_bytes / MiB if memory is not None else float("nan")
-        if ms is None:
-            rows.append(f"| {label} | {objective} | {name} | {described} | {timings[name].error} | | |")
-            continue
-        ratio = f"{ms / floor_ms:.2f}x" if floor_ms else "-"
-        rows.append(
-            f"| {label} {n}x{h}x{v} | {objective} | {name} | {described} | {ms:.2f} | {ratio} | {temp_mib:.0f} |"
-        )
+        rows.append(_row(f"{label} {n}x{h}x{v}", objective, name, described, timings[name], floor_ms, temp_mib, 2))
     return rows
 
 
