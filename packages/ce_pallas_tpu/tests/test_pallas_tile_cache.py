@@ -123,18 +123,19 @@ def test_an_unreadable_cache_is_ignored_with_a_warning_naming_the_file(cache_fil
         write(cache_file, key())  # a malformed file is not overwritten behind the user's back
 
 
-def test_an_entry_too_large_for_a_problem_with_more_temporaries_is_not_used(cache_file: Path) -> None:
-    """A soft cap adds whole temporary tiles: a kernel's cached tiles, measured without it, that would
-    overflow VMEM with it (by the model, beyond what compiled) give way to the inferred ones."""
-    huge = TunedEntry(forward=KernelTiles(2048, None, 4096), backward=KernelTiles(1024, 512, 4096, w_buffers=2))
+def test_an_entry_too_large_for_a_problem_with_more_columns_is_not_used(cache_file: Path) -> None:
+    """The logit sum (label smoothing) adds a per-row column: a kernel's cached tiles, measured without
+    it, that would need more VMEM with it than where they compiled, and more than the budget (by the
+    model), give way to the inferred ones."""
+    huge = TunedEntry(forward=KernelTiles(2048, None, 4096), backward=KernelTiles(2048, 512, 4096, w_buffers=2))
     write(cache_file, key(), huge)
     ops._cached_plan.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plan().source == "cache:v6e"  # at the problem it was measured at, it stands
-        capped = plan(spec=StatsSpec(logit_soft_cap=30.0))
-        assert capped.source == "cache:v6e (backward inferred)"
-        assert (capped.backward.block_b, capped.backward.block_v) != (1024, 4096)
+        summed = plan(spec=StatsSpec(with_sum=True))
+        assert summed.source == "cache:v6e (backward inferred)"
+        assert (summed.backward.block_b, summed.backward.block_v) != (2048, 4096)
 
 
 @pytest.mark.parametrize("value", ["off", ""])

@@ -1,12 +1,17 @@
 """The cost model of the two kernels: VMEM footprint and roofline time for a choice of tiles (estimates).
 
-The footprints count every pipelined block with its buffer count, the scratch, and a margin for
-the ``[b, v]`` float32 temporaries Mosaic keeps while it evaluates the elementwise tail (logits,
-exp, masks). Blocks are rounded up to the (sublane, 128-lane) layout tiles. The coefficients were
-fitted to the scoped VMEM that libtpu's compiler actually allocates (found by bisecting
-``vmem_limit_bytes`` in deviceless ahead-of-time compiles on v4 and v5p) and err on the large side
-by 0-30%. They are used to reject tiles that cannot fit (explicit ones with a ``ValueError``) and to
-pick tiles on a table miss; the ahead-of-time compile tests check the tuned ones for real.
+A footprint counts every block and scratch buffer the kernel declares (with its buffer count,
+rounded up to the (sublane, 128-lane) layout tiles), plus Mosaic's own working set: float32
+``[b, v]`` tiles of the elementwise code and copies of the ``x`` block the products read. Those two
+terms were fitted to libtpu's own figure, the scoped VMEM a compiled kernel reports using
+(:mod:`ce_pallas_tpu.tooling.vmem`), over 145 kernels and tiles on v4, v5e, v5p, v6e and TPU7x (bf16
+and float32, with and without a soft cap, the entropy's statistic, the argmax, the logit sum): the
+model bounds every one from above, by 1-35% (v6e's forward at hidden sizes that are not a multiple
+of 1024, where libtpu makes no copy of ``x``: up to 53%), checked at 25 cases by the slow tier.
+It rejects tiles that cannot fit (explicit ones with a ``ValueError``), bounds the rules that adapt a
+table entry, and picks tiles on a table miss; the ahead-of-time compile tests check the tuned ones
+for real. (Until issue 25 the model counted seven or eight whole float32 temporaries, fitted on v4
+and v5p to older kernels: up to 3.7 times libtpu's figure at narrow heads, and under it in places.)
 """
 
 from __future__ import annotations
@@ -19,21 +24,21 @@ from ce_pallas_tpu.target import ChipFacts
 
 #: Seconds of fixed cost per grid step (pipeline bookkeeping, DMA issue), a measured ballpark.
 STEP_OVERHEAD_S = 0.35e-6
-#: Number of ``[b, v]`` float32 temporaries assumed live at once in the kernels' elementwise code.
-FORWARD_TEMPORARIES = 7
-BACKWARD_TEMPORARIES = 8
-#: Internal scratch and small buffers Mosaic adds to every kernel.
-FIXED_BYTES = 1536 * 1024
-#: bf16 pieces Mosaic splits each float32 operand of a product into at "high"/"highest" precision
-#: (it keeps them in VMEM beside the operand: 6 more bytes per element).
-F32_SPLIT_PIECES = 3
+#: Mosaic's working set beyond the declared buffers, fitted to libtpu's own figures: float32 ``[b, v]``
+#: tiles of the backward's elementwise code (the logits, ``p`` and ``delta`` as they are formed; the
+#: forward's, per generation: ``ChipFacts.forward_work_tiles``)...
+BACKWARD_WORK_TILES = 2.0
+#: ...and copies of the ``x`` block, in float32 blocks, by the products' bytes per element: one copy in
+#: the products' dtype (bf16: half a float32 block; the backward's is the dw product's transposed
+#: operand), and at "high"/"highest" precision its bf16 pieces as well.
+X_WORK = {2: 0.5, 4: 4.5}
+#: Small buffers Mosaic adds to every kernel (semaphores, the overflow flag, alignment).
+FIXED_BYTES = 512 * 1024
 
 
-def _split_bytes(shape: Shape, *operands: tuple[int, int]) -> int:
-    """VMEM for the bf16 pieces of float32 product operands ``(rows, cols)`` (0 for bf16 products)."""
-    if shape.mm_bytes != 4:
-        return 0
-    return sum(F32_SPLIT_PIECES * _tile(rows, cols, 2) for rows, cols in operands)
+def _x_work(shape: Shape, block_b: int, block_h: int) -> int:
+    """Mosaic's copies of a ``[block_b, block_h]`` x block (see :data:`X_WORK`)."""
+    return int(X_WORK[shape.mm_bytes] * _tile(block_b, block_h, 4))
 
 
 def _tile(rows: int, cols: int, itemsize: int) -> int:
@@ -72,17 +77,17 @@ class Shape:
         return 2 if self.x_bytes == 2 and self.w_bytes == 2 else 4
 
 
-def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, single_x: bool = True,
-                  mxu_side: int = 128) -> int:
+def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, chip: ChipFacts,
+                  single_x: bool = True) -> int:
     """VMEM the forward kernel needs with token block ``block_b``, hidden block ``block_h``, vocab block
-    ``block_v``, on a generation with ``mxu_side``-wide MXUs (where the streamed step works in column chunks)."""
+    ``block_v`` on a core of ``chip`` (its MXU width sets the streamed step's column chunks): its declared
+    buffers, and Mosaic's working set as fitted to libtpu's figures (module docs)."""
     blocked = block_h < shape.hp
-    # The elementwise temporaries span one column chunk of the streamed step, or the whole block.
-    columns = block_v if blocked else forward_column_chunk(mxu_side, block_v) or block_v
-    # A single-buffered resident x still costs about half a buffer more (the matmul's operand copy).
-    x_buffers = 2 if (blocked or not single_x) else 1.5
+    # The elementwise work spans one column chunk of the streamed step, or the whole block.
+    columns = block_v if blocked else forward_column_chunk(chip.mxu_side, block_v) or block_v
+    x_buffers = 2 if (blocked or not single_x) else 1  # a resident x is single-buffered
     stats = shape.n_stats + 2 * shape.with_argmax
-    total = FIXED_BYTES + int(x_buffers * _tile(block_b, block_h, shape.x_bytes))
+    total = FIXED_BYTES + x_buffers * _tile(block_b, block_h, shape.x_bytes)
     total += 2 * _tile(block_h, block_v, shape.w_bytes)
     total += 2 * (1 + shape.with_row_scale) * _tile(block_b, 1, 4)  # labels (and the row scale)
     total += 2 * stats * _tile(block_b, 1, 4)  # outputs
@@ -91,28 +96,30 @@ def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, sin
         total += (stats + 1) * _tile(block_b, 1, 4) + _tile(block_b, block_v, 4)
     else:
         total += 2 * (stats + 1) * _tile(block_b, LANES, 4)  # two slots of the same per row and lane
-    total += (FORWARD_TEMPORARIES + (1 if shape.capped else 0)) * _tile(block_b, columns, 4)
-    total += _split_bytes(shape, (block_b, block_h), (block_h, columns))
+    total += int(chip.forward_work_tiles * _tile(block_b, columns, 4))
+    total += _x_work(shape, block_b, block_h)
     return total
 
 
 def backward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, single_w: bool = True) -> int:
     """VMEM the backward kernel needs with token block ``block_b``, hidden chunk ``block_h``, vocab block
-    ``block_v``."""
+    ``block_v``: its declared buffers, and Mosaic's working set as fitted to libtpu's figures (module docs).
+
+    ``block_h`` (the chunk of the dx/dw products) does not move libtpu's figure: the products go
+    straight into the dw accumulator and the dx rows.
+    """
+    del block_h
     w_buffers = 1 if single_w else 2
-    # x-independent columns: labels, lse and the cotangents (+ the expected logit and its cotangent).
-    columns = 3 + shape.n_stats + shape.with_expected
-    total = 2 * _tile(block_b, shape.hp, shape.x_bytes)
-    total += w_buffers * _tile(shape.hp, block_v, shape.w_bytes)  # w block
-    total += w_buffers * _tile(shape.hp, block_v, shape.w_bytes)  # dw block
+    # The per-row columns: labels, lse, the cotangents of lse and of the label logit, then the optional
+    # ones (the cotangent of the logit sum; the expected logit and its cotangent; the row scale).
+    columns = 4 + shape.with_sum + 2 * shape.with_expected + shape.with_row_scale
+    total = FIXED_BYTES + 2 * _tile(block_b, shape.hp, shape.x_bytes)  # x block
+    total += 2 * w_buffers * _tile(shape.hp, block_v, shape.w_bytes)  # w and dw blocks
     total += 2 * columns * _tile(block_b, 1, 4)
     total += _tile(shape.hp, block_v, 4)  # dw accumulator
-    total += 2 * _tile(block_b, shape.hp, 4)  # dx partial in / out
-    temporaries = BACKWARD_TEMPORARIES + (2 if shape.capped else 0) + (1 if shape.with_expected else 0)
-    total += temporaries * _tile(block_b, block_v, 4)
-    total += _tile(block_b, block_v, shape.mm_bytes)  # delta in the matmul dtype
-    total += _tile(block_h, block_v, 4) + _tile(block_b, block_h, 4)  # one chunk's products
-    total += _split_bytes(shape, (block_b, shape.hp), (shape.hp, block_v), (block_b, block_v))
+    total += 2 * _tile(block_b, shape.hp, 4)  # dx partial rows: two slots
+    total += int(BACKWARD_WORK_TILES * _tile(block_b, block_v, 4))
+    total += _x_work(shape, block_b, shape.hp)
     return total
 
 

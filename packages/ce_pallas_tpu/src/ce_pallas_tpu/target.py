@@ -55,6 +55,10 @@ class ChipFacts:
     bf16_flops: float  # per TensorCore
     hbm_bytes_per_s: float  # per TensorCore
     mxu_side: int = 128  # the MXUs are mxu_side x mxu_side systolic arrays
+    #: Float32 ``[b, v]`` tiles of Mosaic's working set in the forward (``v``: one column chunk of the
+    #: streamed step), fitted to libtpu's VMEM figures (:mod:`ce_pallas_tpu.cost_model`); TPU7x keeps
+    #: about eight 256-column chunks live per token row where v6e keeps one or two.
+    forward_work_tiles: float = 1.5
 
     @property
     def flops_per_byte(self) -> float:
@@ -70,7 +74,7 @@ CHIP_FACTS: dict[str, ChipFacts] = {
     "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12),
     "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256),
     # TPU7x (Ironwood): each TensorCore is a device of its own, with 64 MiB of VMEM and half the chip's HBM.
-    "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12, mxu_side=256),
+    "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12, mxu_side=256, forward_work_tiles=8.0),
     "default": ChipFacts(1, 16 * _MIB, 16 * 1024 * _MIB, 200e12, 0.8e12),
 }
 

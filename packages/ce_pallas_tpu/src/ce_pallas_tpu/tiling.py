@@ -162,15 +162,14 @@ def _forward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | Non
     example, given them too, would fit (the AOT tests compile every entry so). A soft cap adds whole
     temporary tiles: judged against the example as it was compiled.
     """
-    side = target.facts.mxu_side
-    example_need = _forward_need(_given_features(compiled_at, shape), tiles, side)
-    return _forward_need(shape, tiles, side) <= max(vmem_budget(target), example_need)
+    example_need = _forward_need(_given_features(compiled_at, shape), tiles, target)
+    return _forward_need(shape, tiles, target) <= max(vmem_budget(target), example_need)
 
 
-def _forward_need(problem: Shape, tiles: KernelTiles[int | None], mxu_side: int) -> int:
+def _forward_need(problem: Shape, tiles: KernelTiles[int | None], target: Target) -> int:
     """VMEM of the forward tiles fitted to ``problem`` (a whole hidden dimension is the problem's own)."""
-    fitted = fit_tiles(problem, tiles, backward=False, mxu_side=mxu_side)
-    return cost_model.forward_bytes(problem, *fitted.sizes, mxu_side=mxu_side)
+    fitted = fit_tiles(problem, tiles, backward=False, mxu_side=target.facts.mxu_side)
+    return cost_model.forward_bytes(problem, *fitted.sizes, chip=target.facts)
 
 
 def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None], w_buffers: int | None,
@@ -201,8 +200,7 @@ def _forward_options(shape: Shape, target: Target, budget: int) -> Iterator[tupl
     for block_b, block_v, block_h in itertools.product(_TOKENS, _COLUMNS, hiddens):
         tiles = fit_tiles(shape, KernelTiles(block_b, block_h, block_v), backward=False,
                           mxu_side=target.facts.mxu_side)
-        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
-                                        mxu_side=target.facts.mxu_side)
+        need = cost_model.forward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v, chip=target.facts)
         if need <= budget:
             yield need, tiles
 
@@ -337,12 +335,11 @@ def _forward_for_hidden(shape: Shape, compiled_at: Shape, forward: KernelTiles[i
     blocked."""
     if forward.block_h is not None:
         return None
-    side = target.facts.mxu_side
-    room = max(vmem_budget(target), _forward_need(_given_features(compiled_at, shape), forward, side))
+    room = max(vmem_budget(target), _forward_need(_given_features(compiled_at, shape), forward, target))
     steps = forward_steps_for_hidden(forward.block_b, forward.block_v, compiled_at.hp, shape.hp, shape.n, shape.v)
     for block_b, block_v in reversed(steps[1:]):
         scaled = dataclasses.replace(forward, block_b=block_b, block_v=block_v)
-        if _forward_need(shape, scaled, side) <= room:
+        if _forward_need(shape, scaled, target) <= room:
             return scaled
     return None
 
@@ -409,11 +406,18 @@ def tuned_tiles(shape: Shape, target: Target, cached: TunedEntry | None = None) 
 
 def check_some_tiles_fit(shape: Shape, target: Target) -> None:
     """``UnsupportedError`` exactly where :func:`tuned_tiles` raises it, without choosing any tiles:
-    not even the smallest tiles fit the VMEM budget, and neither does the table's entry."""
+    for one kernel, neither the smallest tiles nor the table entry's fit the VMEM budget."""
     budget = vmem_budget(target)
-    inferable = (next(_forward_options(shape, target, budget), None) is not None
-                 and next(_backward_options(shape, budget), None) is not None)
-    if not inferable and _table_tiles(shape, target) is None:
+    forward_fits = next(_forward_options(shape, target, budget), None) is not None
+    backward_fits = next(_backward_options(shape, budget), None) is not None
+    bucket = shape_bucket(shape.n, shape.hp, shape.v)
+    entry = tuned_table().get((target.generation, bucket))
+    if entry is not None:
+        example = bucket_example(bucket)
+        forward_fits = forward_fits or _forward_fits(shape, example, entry.forward, target)
+        backward_fits = backward_fits or any(_backward_fits(shape, example, entry.backward, w_buffers, target)
+                                             for w_buffers in (entry.backward.w_buffers, 1))
+    if not (forward_fits and backward_fits):
         raise _too_large(shape, target, budget)
 
 
@@ -474,7 +478,7 @@ def _check_explicit_vmem(shape: Shape, target: Target, block_sizes: BlockSizes, 
     forward, backward = tiles.forward, tiles.backward
     capacity = target.vmem_bytes
     need_forward = cost_model.forward_bytes(shape, forward.block_b, forward.block_h, forward.block_v,
-                                            mxu_side=target.facts.mxu_side)
+                                            chip=target.facts)
     need_backward = cost_model.backward_bytes(shape, backward.block_b, backward.block_h, backward.block_v)
     if max(need_forward, need_backward) > vmem_limit(target):
         raise ValueError(

@@ -136,7 +136,7 @@ def forward_candidates(shape: Shape, generation: str) -> list[KernelTiles[int | 
         cycles = mxu_cycles(generation, "forward", block_b, shape.hp, block_v)
         mxu_s = cycles / chip.clock_hz
         hbm_s = shape.hp * block_v * shape.w_bytes / chip.hbm_bytes_per_s  # the w block; x stays resident
-        need = forward_bytes(shape, block_b, shape.hp, block_v, mxu_side=CHIP_FACTS[generation].mxu_side)
+        need = forward_bytes(shape, block_b, shape.hp, block_v, chip=CHIP_FACTS[generation])
         if hbm_s <= HBM_SHARE * mxu_s and need <= limit:
             rank = _rank(hbm_s / mxu_s, cycles, need, long_step=FORWARD_LONG_STEP)
             options.append((rank, KernelTiles(block_b, None, block_v)))
