@@ -86,15 +86,18 @@ def test_scaled_tiles_only_grow_the_steps_and_fit(generation: str, n: int, head:
     else:
         assert forward == tiling.fit_tiles(shape, entry.forward, backward=False, mxu_side=side)
     backward = tiles.backward
-    assert (backward.block_h, backward.block_v) == tiling.fit_tiles(shape, entry.backward, backward=True,
-                                                                    mxu_side=side).sizes[1:]
-    if "backward rows" in tiles.source:
-        assert backward.block_b > entry.backward.block_b
-        assert backward.w_buffers == entry.backward.w_buffers  # rows never bought with a w buffer
+    entry_tiles = tiling.fit_tiles(shape, entry.backward, backward=True, mxu_side=side)
+    assert backward.block_h == entry_tiles.block_h
+    if "backward steps" in tiles.source:
+        assert backward.block_b >= entry.backward.block_b and backward.block_v in (entry_tiles.block_v,
+                                                                                  2 * entry_tiles.block_v)
+        assert (backward.block_b, backward.block_v) != (entry.backward.block_b, entry_tiles.block_v)
+        assert backward.block_v == entry_tiles.block_v or side == 256  # columns only on 256-wide MXUs
+        assert backward.w_buffers == entry.backward.w_buffers  # a step never bought with a w buffer
         need = cost_model.backward_bytes(shape, *backward.sizes, single_w=backward.w_buffers != 2)
         assert need <= tiling.vmem_budget(tg)
     else:
-        assert backward.block_b == entry.backward.block_b
+        assert (backward.block_b, backward.block_v) == (entry.backward.block_b, entry_tiles.block_v)
 
 
 def test_the_forward_rule_moves_the_narrow_heads_that_missed_the_forward_goal() -> None:
@@ -130,12 +133,27 @@ def test_the_hidden_chunk_is_a_whole_number_of_mxu_tiles_where_it_can_be(hp: int
 
 def test_the_rules_move_the_narrow_v6e_heads_that_missed_their_target() -> None:
     """The two shapes issue 25 names (v6e backward 1.187 and 1.237 with the table's 256 rows in 512- and
-    384-row chunks): the first gets 512 rows; the second 512 rows in 256-row chunks with both w buffers
-    (1.100; the old VMEM model, twice libtpu's figure here, left it 256 rows: 1.144)."""
+    384-row chunks): the first gets 512 rows and 4096 columns (1.081); the second 512 rows in 256-row
+    chunks with both w buffers (1.100; the old VMEM model, twice libtpu's figure here, left it 256 rows:
+    1.144), its columns kept (4096 would not fit with two buffers)."""
     qwen = tiling.tuned_tiles(Problem(4096, 1536, 151936).shape, target("v6e")).backward
-    assert (qwen.block_b, qwen.block_h, qwen.w_buffers) == (512, 512, 2)
+    assert (qwen.block_b, qwen.block_h, qwen.block_v, qwen.w_buffers) == (512, 512, 4096, 2)
     gemma = tiling.tuned_tiles(Problem(8192, 2304, 256000).shape, target("v6e")).backward
-    assert (gemma.block_b, gemma.block_h, gemma.w_buffers) == (512, 256, 2)
+    assert (gemma.block_b, gemma.block_h, gemma.block_v, gemma.w_buffers) == (512, 256, 2048, 2)
+
+
+def test_the_backward_columns_double_only_on_256_wide_mxus() -> None:
+    """Qwen3-0.6B's backward: 1024 rows everywhere the rows fit; twice the columns on v6e (1.148 ->
+    1.093) and TPU7x (1.305 -> 1.201), where a step's HBM traffic is a large share of its MXU time;
+    not on v5e and v5p, whose tiles were measured as they are (1.023-1.093)."""
+    qwen3 = Problem(4096, 1024, 151936).shape
+    sizes = {generation: tiling.tuned_tiles(qwen3, target(generation)).backward for generation in GENERATIONS}
+    assert (sizes["v6e"].block_b, sizes["v6e"].block_v) == (1024, 4096)
+    assert (sizes["tpu7x"].block_b, sizes["tpu7x"].block_v) == (1024, 2048)
+    for generation in ("v5e", "v5p"):
+        entry = tiling.tuned_table()[(generation, "large_vocab")].backward
+        assert sizes[generation].block_v == entry.block_v and "backward steps" in tiling.tuned_tiles(
+            qwen3, target(generation)).source
 
 
 def test_a_problem_at_its_examples_hidden_size_keeps_the_entry() -> None:

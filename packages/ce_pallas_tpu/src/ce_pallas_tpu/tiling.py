@@ -344,22 +344,43 @@ def _forward_for_hidden(shape: Shape, compiled_at: Shape, forward: KernelTiles[i
     return None
 
 
+#: The most vocab columns the hidden-size rule gives a backward step (on 256-wide MXUs).
+MAX_SCALED_BACKWARD_COLUMNS = 4096
+
+
 def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles[int | None],
                          target: Target) -> KernelTiles[int | None] | None:
-    """The entry's backward tiles with the token block scaled to this problem's hidden size
-    (:func:`rows_for_hidden`), where that changes it and the scaled tiles fit the VMEM budget by the
-    model (None otherwise)."""
+    """The entry's backward tiles grown for a hidden size narrower than its example's, where the grown
+    tiles fit the VMEM budget by the model, with the entry's w/dw buffers (None: nothing grows).
+
+    The token block scales with the hidden size (:func:`rows_for_hidden`). On 256-wide MXUs (v6e,
+    TPU7x) the vocab block then doubles once, up to :data:`MAX_SCALED_BACKWARD_COLUMNS`: there a
+    step's HBM traffic (``x`` and the float32 ``dx`` partial, once per vocab block) is a large share
+    of its MXU time, and a wider block halves it per logit, which the tuner could not afford at its
+    example's hidden size (v6e Qwen3-0.6B: 1024/512/2048 1.148 of the MXU minimum, 1024/512/4096
+    1.093; Qwen2.5-1.5B: 512/512/2048 1.124, 512/512/4096 1.081; docs/benchmarks.md, issue 25).
+    """
+    if shape.hp >= compiled_at.hp:
+        return None
+
+    def fits(tiles: KernelTiles[int | None]) -> bool:
+        fitted = fit_tiles(shape, tiles, backward=True, mxu_side=target.facts.mxu_side)
+        # With the entry's w/dw buffers: a second buffer hides the w block's copy, worth more than
+        # rows (v6e Gemma-2 2B: 512 rows with one buffer 1.212, 256 rows with two 1.075-1.13).
+        return cost_model.backward_bytes(shape, *fitted.sizes, single_w=backward.w_buffers != 2) <= vmem_budget(target)
+
+    grown = backward
     rows = rows_for_hidden(backward.block_b, compiled_at.hp, shape.hp)
     while rows > backward.block_b:  # the most rows that fit, halving down to the entry's own
-        if rows <= round_up(shape.n, SUBLANES):
-            scaled = dataclasses.replace(backward, block_b=rows)
-            fitted = fit_tiles(shape, scaled, backward=True, mxu_side=target.facts.mxu_side)
-            # With the entry's w/dw buffers: a second buffer hides the w block's copy, worth more than
-            # rows (v6e Gemma-2 2B: 512 rows with one buffer 1.212, 256 rows with two 1.075-1.13).
-            if cost_model.backward_bytes(shape, *fitted.sizes, single_w=backward.w_buffers != 2) <= vmem_budget(target):
-                return scaled
+        if rows <= round_up(shape.n, SUBLANES) and fits(dataclasses.replace(backward, block_b=rows)):
+            grown = dataclasses.replace(backward, block_b=rows)
+            break
         rows //= 2
-    return None
+    columns = 2 * backward.block_v
+    if (target.facts.mxu_side >= 256 and columns <= min(MAX_SCALED_BACKWARD_COLUMNS, round_up(shape.v, LANES))
+            and fits(dataclasses.replace(grown, block_v=columns))):
+        grown = dataclasses.replace(grown, block_v=columns)
+    return None if grown is backward else grown
 
 
 def _scaled_for_hidden(shape: Shape, compiled_at: Shape, entry: TunedEntry,
@@ -368,7 +389,7 @@ def _scaled_for_hidden(shape: Shape, compiled_at: Shape, entry: TunedEntry,
     that fits, and what was grown, in words."""
     forward = _forward_for_hidden(shape, compiled_at, entry.forward, target)
     backward = _backward_for_hidden(shape, compiled_at, entry.backward, target)
-    grown = [words for words, tiles in (("forward steps", forward), ("backward rows", backward)) if tiles]
+    grown = [words for words, tiles in (("forward steps", forward), ("backward steps", backward)) if tiles]
     return dataclasses.replace(entry, forward=forward or entry.forward, backward=backward or entry.backward), grown
 
 

@@ -28,6 +28,11 @@ _NEEDED = re.compile(r"Used ([\d.]+)([KMG]) of [\d.]+[KMG] vmem")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
+class OutOfVmem(RuntimeError):
+    """The kernel does not fit the core's VMEM, and libtpu's error gives no figure for what it needs (an
+    operand's window alone exceeds the core: ``Allocation (size=...) would exceed memory``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class VmemUse:
     """libtpu's figure for one kernel at one choice of tiles: ``used`` bytes, and whether it fits the core."""
@@ -62,6 +67,7 @@ def kernel_vmem(generation: str, kernel: str, n: int, hidden: int, v: int, tiles
     whole VMEM as its limit (see module docs).
 
     Raises:
+      OutOfVmem: it does not fit, and libtpu says no more.
       RuntimeError: the compile failed for another reason than VMEM.
     """
     import jax
@@ -79,6 +85,8 @@ def kernel_vmem(generation: str, kernel: str, n: int, hidden: int, v: int, tiles
             text = jax.jit(fn).lower(*operands).compile().as_text()
         except Exception as error:  # libtpu's VMEM refusal carries the figure
             needed = needed_vmem(str(error))
+            if needed is None and "would exceed memory" in str(error):
+                raise OutOfVmem(f"{generation} {kernel} {tiles}: {str(error)[:200]}") from error
             if needed is None:
                 raise RuntimeError(f"{generation} {kernel} {tiles}: {str(error)[:300]}") from error
             return VmemUse(needed, fits=False)
