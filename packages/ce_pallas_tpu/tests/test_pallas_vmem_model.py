@@ -19,9 +19,9 @@ from ce_pallas_tpu.target import CHIP_FACTS
 from ce_pallas_tpu.tile_types import KernelTiles
 from ce_pallas_tpu.tooling import vmem
 
-#: The most the model may exceed libtpu's figure by (v6e's forward at hidden sizes that are not a
-#: multiple of 1024 makes no copy of x, which the model counts: up to 1.52 measured).
-LOOSEST = 1.6
+#: The most the model may exceed libtpu's figure by (forwards at hidden sizes that are not a
+#: multiple of 1024, where libtpu makes no copy of x, which the model counts: up to 1.74 measured).
+LOOSEST = 1.8
 
 #: (generation, kernel, N, H, V, (block_b, block_h, block_v, w_buffers), options): the model heads' tiles
 #: and others around them, with each option that changes the kernels' buffers.
