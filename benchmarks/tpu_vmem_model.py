@@ -4,7 +4,7 @@ For each generation, ``--count`` kernels (forward or backward) at a model head's
 tiles and options (the entropy's statistic, a soft cap, the argmax, the logit sum, float32 products),
 are compiled alone at full size through libtpu's deviceless topology
 (:func:`ce_pallas_tpu.tooling.vmem.kernel_vmem`); each row prints libtpu's scoped VMEM and the
-model's (:mod:`ce_pallas_tpu.cost_model`), then a summary per generation and kernel. This is how the
+model's (:func:`ce_pallas_tpu.tooling.vmem.model_vmem`), then a summary per generation and kernel. This is how the
 model's coefficients were fitted (docs/benchmarks.md, "The VMEM model fitted to libtpu's figure").
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 uv run python benchmarks/tpu_vmem_model.py --targets v5e,v6e --count 35 --seed 1
@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from ce_core import StatsSpec
-from ce_pallas_tpu import cost_model
 from ce_pallas_tpu.layout import round_up
 from ce_pallas_tpu.target import CHIP_FACTS
 from ce_pallas_tpu.tile_types import KernelTiles
@@ -67,18 +66,6 @@ def cases(generation: str, count: int, rng: random.Random) -> Iterator[Case]:
         yield kernel, n, h, v, tiles, name, options
 
 
-def model_bytes(generation: str, kernel: str, n: int, h: int, v: int, tiles: KernelTiles[int | None],
-                spec: StatsSpec, itemsize: int) -> int:
-    """The cost model's footprint of one kernel at these tiles."""
-    shape = cost_model.Shape(n, round_up(h, 128), v, itemsize, itemsize, with_sum=spec.with_sum,
-                             capped=spec.logit_soft_cap is not None, with_expected=spec.with_expected,
-                             with_argmax=spec.with_argmax)
-    if kernel == "forward":
-        return cost_model.forward_bytes(shape, tiles.block_b, shape.hp, tiles.block_v, chip=CHIP_FACTS[generation])
-    assert tiles.block_h is not None
-    return cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v, single_w=tiles.w_buffers != 2)
-
-
 def main(argv: list[str] | None = None) -> None:
     from ce_pallas_tpu.tooling import vmem
 
@@ -94,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         for kernel, n, h, v, tiles, name, options in cases(generation, args.count, random.Random(args.seed)):
             dtype = "float32" if name == "f32" else "bfloat16"
             spec = StatsSpec(**options)
-            model = model_bytes(generation, kernel, n, h, v, tiles, spec, 4 if dtype == "float32" else 2)
+            model = vmem.model_vmem(generation, kernel, n, h, v, tiles, dtype=dtype, spec=spec)
             label = f"{tiles.block_b}/{tiles.block_h or 'all'}/{tiles.block_v}" + (
                 f" (x{tiles.w_buffers})" if tiles.w_buffers else "")
             try:

@@ -13,9 +13,6 @@ from __future__ import annotations
 import pytest
 
 from ce_core import StatsSpec
-from ce_pallas_tpu import cost_model
-from ce_pallas_tpu.layout import round_up
-from ce_pallas_tpu.target import CHIP_FACTS
 from ce_pallas_tpu.tile_types import KernelTiles
 from ce_pallas_tpu.tooling import vmem
 
@@ -54,19 +51,6 @@ CASES = [
 ]
 
 
-def _model_bytes(generation: str, kernel: str, n: int, h: int, v: int, tiles: KernelTiles[int | None],
-                 spec: StatsSpec, itemsize: int) -> int:
-    shape = cost_model.Shape(n, round_up(h, 128), v, itemsize, itemsize, with_sum=spec.with_sum,
-                             capped=spec.logit_soft_cap is not None, with_expected=spec.with_expected,
-                             with_argmax=spec.with_argmax)
-    if kernel == "forward":
-        block_h = shape.hp if tiles.block_h is None else tiles.block_h
-        return cost_model.forward_bytes(shape, tiles.block_b, block_h, tiles.block_v, chip=CHIP_FACTS[generation])
-    assert tiles.block_h is not None
-    return cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
-                                     single_w=tiles.w_buffers != 2)
-
-
 def test_libtpus_figure_is_read_from_the_compiled_program() -> None:
     text = ('%a = custom-call(%p), custom_call_target="tpu_custom_call", backend_config={"scoped_memory_configs":'
             '[{"memory_space":"1","offset":"0","size":"120795955"}],"custom_call_config":{"body":"TUzv"},'
@@ -94,7 +78,7 @@ def test_the_model_bounds_libtpus_figure(generation: str, kernel: str, n: int, h
     spec = StatsSpec(**options)  # type: ignore[arg-type]
     tiles = KernelTiles(*sizes)
     used = vmem.kernel_vmem(generation, kernel, n, h, v, tiles, dtype=dtype, spec=spec).used
-    model = _model_bytes(generation, kernel, n, h, v, tiles, spec, 4 if dtype == "float32" else 2)
+    model = vmem.model_vmem(generation, kernel, n, h, v, tiles, dtype=dtype, spec=spec)
     assert used <= model <= LOOSEST * used, (
         f"{generation} {kernel} {n}x{h}x{v} {tiles} {options}: libtpu {used / 2**20:.2f} MiB, "
         f"model {model / 2**20:.2f} MiB")

@@ -59,6 +59,27 @@ def needed_vmem(error: str) -> int | None:
     return None if match is None else round(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+def model_vmem(generation: str, kernel: str, n: int, hidden: int, v: int, tiles: KernelTiles[int | None], *,
+               dtype: str = "bfloat16", spec: Any = None) -> int:
+    """The cost model's VMEM for the kernel :func:`kernel_vmem` compiles (same arguments), in bytes."""
+    from ce_core import StatsSpec
+    from ce_pallas_tpu import cost_model
+    from ce_pallas_tpu.layout import round_up
+
+    spec = spec or StatsSpec()
+    itemsize = 4 if dtype == "float32" else 2
+    shape = cost_model.Shape(n, round_up(hidden, 128), v, itemsize, itemsize, with_sum=spec.with_sum,
+                             capped=spec.logit_soft_cap is not None, with_expected=spec.with_expected,
+                             with_argmax=spec.with_argmax)
+    if kernel == "forward":
+        block_h = shape.hp if tiles.block_h is None else tiles.block_h
+        return cost_model.forward_bytes(shape, tiles.block_b, block_h, tiles.block_v, chip=CHIP_FACTS[generation])
+    if tiles.block_h is None:
+        raise ValueError("a backward's tiles name its hidden chunk (block_h)")
+    return cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v,
+                                     single_w=tiles.w_buffers != 2)
+
+
 def kernel_vmem(generation: str, kernel: str, n: int, hidden: int, v: int, tiles: KernelTiles[int | None], *,
                 dtype: str = "bfloat16", spec: Any = None) -> VmemUse:
     """libtpu's figure for one kernel (``"forward"`` or ``"backward"``) alone at ``N x hidden x V`` with
