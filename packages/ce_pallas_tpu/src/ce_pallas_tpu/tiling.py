@@ -159,8 +159,9 @@ def _forward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | Non
 
     The argmax, the row scale and the entropy's expected logit add only per-row state to the forward
     (lane statistics, a column): tiles that compiled at their example compile with them where the
-    example, given them too, would fit (the AOT tests compile every entry so). A soft cap adds whole
-    temporary tiles: judged against the example as it was compiled.
+    example, given them too, would fit (the AOT tests compile every entry so). The logit sum and a soft
+    cap are judged against the example as it was compiled (neither moves libtpu's figure much: the sum
+    adds a statistic, the cap nothing measurable).
     """
     example_need = _forward_need(_given_features(compiled_at, shape), tiles, target)
     return _forward_need(shape, tiles, target) <= max(vmem_budget(target), example_need)
@@ -175,10 +176,10 @@ def _forward_need(problem: Shape, tiles: KernelTiles[int | None], target: Target
 def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None], w_buffers: int | None,
                    target: Target) -> bool:
     """As :func:`_forward_fits`, for the backward's tiles with ``w_buffers`` w/dw buffers. The row scale is
-    per-row state here too; the entropy's expected logit adds a float32 ``[b, v]`` tile, but every entry
-    compiles with it at its example (the AOT tests compile the RL objective at every bucket), so it is
-    judged like the per-row state: against the example given it too. A soft cap (two more tiles) is
-    judged against the example as it was compiled."""
+    per-row state here too, and so is the entropy's expected logit (two columns): every entry compiles
+    with it at its example (the AOT tests compile the RL objective at every bucket), so it is judged
+    against the example given it too. The logit sum's column and a soft cap are judged against the
+    example as it was compiled."""
     example = _given_features(compiled_at, shape)
     mxu_side = target.facts.mxu_side
 
