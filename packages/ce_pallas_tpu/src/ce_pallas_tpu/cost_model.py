@@ -28,7 +28,8 @@ STEP_OVERHEAD_S = 0.35e-6
 #: Mosaic's working set beyond the declared buffers, fitted to libtpu's own figures: float32 ``[b, v]``
 #: tiles of the backward's elementwise code (the logits, ``p`` and ``delta`` as they are formed, and at
 #: "high"/"highest" precision the bf16 pieces of ``delta``), by the products' bytes per element; the
-#: forward's, per generation: ``ChipFacts.forward_work_tiles``, one more for the entropy's product...
+#: forward's, per generation: ``ChipFacts.forward_work_tiles``, one more for the entropy's product and
+#: two for the argmax's running max and index...
 BACKWARD_WORK_TILES = {2: 2.0, 4: 4.5}
 #: ...copies of the ``x`` block, in float32 blocks, by the products' bytes per element: one copy in
 #: the products' dtype (bf16: half a float32 block; the backward's is the dw product's transposed
@@ -100,7 +101,8 @@ def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, chi
         total += (stats + 1) * _tile(block_b, 1, 4) + _tile(block_b, block_v, 4)
     else:
         total += 2 * (stats + 1) * _tile(block_b, LANES, 4)  # two slots of the same per row and lane
-    total += int((chip.forward_work_tiles + shape.with_expected) * _tile(block_b, columns, 4))
+    work_tiles = chip.forward_work_tiles + shape.with_expected + 2 * shape.with_argmax
+    total += int(work_tiles * _tile(block_b, columns, 4))
     total += FORWARD_ROW_TILES * _tile(block_b, LANES, 4)
     total += _x_work(shape, block_b, block_h)
     return total
