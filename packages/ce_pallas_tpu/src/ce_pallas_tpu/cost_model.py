@@ -82,15 +82,14 @@ class Shape:
         return 2 if self.x_bytes == 2 and self.w_bytes == 2 else 4
 
 
-def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, chip: ChipFacts,
-                  single_x: bool = True) -> int:
+def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, chip: ChipFacts) -> int:
     """VMEM the forward kernel needs with token block ``block_b``, hidden block ``block_h``, vocab block
     ``block_v`` on a core of ``chip`` (its MXU width sets the streamed step's column chunks): its declared
     buffers, and Mosaic's working set as fitted to libtpu's figures (module docs)."""
     blocked = block_h < shape.hp
     # The elementwise work spans one column chunk of the streamed step, or the whole block.
     columns = block_v if blocked else forward_column_chunk(chip.mxu_side, block_v) or block_v
-    x_buffers = 2 if (blocked or not single_x) else 1  # a resident x is single-buffered
+    x_buffers = 2 if blocked else 1  # a resident x (the hidden dimension whole) is single-buffered
     stats = shape.n_stats + 2 * shape.with_argmax
     total = FIXED_BYTES + x_buffers * _tile(block_b, block_h, shape.x_bytes)
     total += 2 * _tile(block_h, block_v, shape.w_bytes)

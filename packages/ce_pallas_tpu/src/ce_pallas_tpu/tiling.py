@@ -190,6 +190,17 @@ def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | No
     return need(shape) <= max(vmem_budget(target), need(example))
 
 
+def _fitted_backward(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None],
+                     target: Target) -> KernelTiles[int] | None:
+    """An entry's backward tiles fitted to this problem with the w/dw buffers they fit with
+    (:func:`_backward_fits`): the entry's own, else one; None when neither fits."""
+    for w_buffers in dict.fromkeys((tiles.w_buffers, 1)):
+        if _backward_fits(shape, compiled_at, tiles, w_buffers, target):
+            fitted = fit_tiles(shape, tiles, backward=True, mxu_side=target.facts.mxu_side)
+            return dataclasses.replace(fitted, w_buffers=w_buffers)
+    return None
+
+
 #: The sizes the inference rule tries, largest first.
 _TOKENS = (2048, 1024, 512, 256, 128, 64, 32, 16, 8)
 _COLUMNS = (2048, 1024, 512, 256, 128)
@@ -251,16 +262,10 @@ def _pick(options: list[tuple[float, int, KernelTiles[int]]]) -> KernelTiles[int
 def _fitted_entry(shape: Shape, compiled_at: Shape, entry: TunedEntry, target: Target, source: str) -> Tiles | None:
     """A table or cache entry fitted to this problem, kernel by kernel: a kernel whose tiles do not fit
     gets the inferred ones (the source says which); None when neither kernel's tiles fit."""
-    side = target.facts.mxu_side
     forward: KernelTiles[int] | None = None
     if _forward_fits(shape, compiled_at, entry.forward, target):
-        forward = fit_tiles(shape, entry.forward, backward=False, mxu_side=side)
-    backward: KernelTiles[int] | None = None
-    fitted = fit_tiles(shape, entry.backward, backward=True, mxu_side=side)
-    for w_buffers in dict.fromkeys((fitted.w_buffers, 1)):  # the entry's buffers, else one
-        if _backward_fits(shape, compiled_at, entry.backward, w_buffers, target):
-            backward = dataclasses.replace(fitted, w_buffers=w_buffers)
-            break
+        forward = fit_tiles(shape, entry.forward, backward=False, mxu_side=target.facts.mxu_side)
+    backward = _fitted_backward(shape, compiled_at, entry.backward, target)
     if forward is None and backward is None:
         return None
     if forward is None or backward is None:
@@ -437,8 +442,7 @@ def check_some_tiles_fit(shape: Shape, target: Target) -> None:
     if entry is not None:
         example = bucket_example(bucket)
         forward_fits = forward_fits or _forward_fits(shape, example, entry.forward, target)
-        backward_fits = backward_fits or any(_backward_fits(shape, example, entry.backward, w_buffers, target)
-                                             for w_buffers in (entry.backward.w_buffers, 1))
+        backward_fits = backward_fits or _fitted_backward(shape, example, entry.backward, target) is not None
     if not (forward_fits and backward_fits):
         raise _too_large(shape, target, budget)
 
