@@ -24,7 +24,8 @@ from ce_pallas_tpu.tooling.tune import Problem
 
 GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 #: The heads of the models matrix whose hidden size is below their bucket's example (H, V).
-NARROW_HEADS = {"qwen2.5-1.5b": (1536, 151936), "qwen3-0.6b": (1024, 151936), "gemma2-2b": (2304, 256000)}
+NARROW_HEADS = {"qwen2.5-1.5b": (1536, 151936), "qwen3-0.6b": (1024, 151936), "gemma2-2b": (2304, 256000),
+                "qwen2.5-0.5b": (896, 151936)}
 
 
 def target(generation: str) -> Target:
@@ -154,6 +155,20 @@ def test_the_backward_columns_double_only_on_256_wide_mxus() -> None:
         entry = tiling.tuned_table()[(generation, "large_vocab")].backward
         assert sizes[generation].block_v == entry.block_v and "backward steps" in tiling.tuned_tiles(
             qwen3, target(generation)).source
+
+
+def test_a_narrow_head_goes_by_its_tokens_and_vocab_not_the_small_bucket() -> None:
+    """Qwen2.5-0.5B (H=896) fell in ``small``, whose entry (tuned at 1024 tokens) left its steps short:
+    v6e forward 1024/all/2048 1.191, backward 256/896/2048 1.247. By its tokens and vocabulary it is
+    ``large_vocab``, grown by the rules: 4096/all/4096 (1.071) and 1024/896/4096 (1.087)."""
+    qwen = Problem(4096, 896, 151936).shape
+    assert tiling.shape_bucket(4096, qwen.hp, 151936) == "large_vocab"
+    assert tiling.shape_bucket(1024, qwen.hp, 151936) == "small"  # few tokens: still small
+    assert tiling.shape_bucket(4096, qwen.hp, 8000) == "small"  # a small vocabulary: still small
+    tiles = tiling.tuned_tiles(qwen, target("v6e"))
+    assert tiles.source.startswith("table:v6e/large_vocab (forward steps and backward steps")
+    assert tiles.forward.sizes == (4096, 896, 4096)
+    assert (*tiles.backward.sizes, tiles.backward.w_buffers) == (1024, 896, 4096, 2)
 
 
 def test_a_problem_at_its_examples_hidden_size_keeps_the_entry() -> None:
