@@ -81,6 +81,9 @@ FAST_CASES = [
     ("v5p", "hv", True, None, "float32", (77, 200, 333), BlockSizes(32, 128, 128)),
     ("v5e", "hv", True, 5.0, "bfloat16", (61, 136, 300), BlockSizes(32, 128, 128)),
     ("v5p", "vh", True, 30.0, "bfloat16", (61, 136, 300), BlockSizes(48, 128, 128)),
+    # V a multiple of the vocab block, several blocks per core: dw's write-back with no ragged tail.
+    ("v5e", "hv", False, None, "float32", (70, 200, 512), BlockSizes(32, 128, 128)),
+    ("v5p", "vh", False, None, "bfloat16", (70, 200, 768), BlockSizes(32, 128, 128)),
 ]
 
 

@@ -107,15 +107,15 @@ def test_an_entry_above_the_models_budget_is_used_where_it_needs_no_more_than_wh
 
 def test_an_entry_with_two_w_buffers_falls_back_to_one_before_inference(monkeypatch):
     target = _target("v5e")
-    entry = TunedEntry(KernelTiles(512, None, 512), KernelTiles(256, 512, 2048, w_buffers=2))
+    entry = TunedEntry(KernelTiles(512, None, 512), KernelTiles(256, 512, 2304, w_buffers=2))
     monkeypatch.setitem(ce_pallas_tpu.TUNED, ("v5e", "llama3"), entry)
     assert tiling.tuned_tiles(_shape(8192, 4096, 128256), target).backward.w_buffers == 2
     # The logit sum's cotangent is one more column: no longer within the example's footprint with two
     # buffers, which is over the budget (libtpu compiled it there).
     summed = _shape(8192, 4096, 128256, spec=StatsSpec(with_sum=True))
-    need = cost_model.backward_bytes(summed, 256, 512, 2048, single_w=False)
+    need = cost_model.backward_bytes(summed, 256, 512, 2304, single_w=False)
     assert need > max(tiling.vmem_budget(target),
-                      cost_model.backward_bytes(tiling.bucket_example("llama3"), 256, 512, 2048, single_w=False))
+                      cost_model.backward_bytes(tiling.bucket_example("llama3"), 256, 512, 2304, single_w=False))
     tiles = tiling.tuned_tiles(summed, target)
     assert tiles.source == "table:v5e/llama3" and tiles.backward.w_buffers == 1
 

@@ -46,6 +46,10 @@ CASES = [
     ("tpu7x", "backward", 4096, 1024, 151936, (1024, 512, 1024, 1), {}),
     ("tpu7x", "backward", 8192, 4096, 128256, (256, 512, 1024, 1), {"with_expected": True}),
     ("tpu7x", "forward", 4096, 2048, 151936, (1024, None, 4096, None), {}),
+    # dw's one staging block whatever w's buffers (Llama-3 70B on v6e; TPU7x's two-buffer llama3 step)
+    ("v6e", "backward", 4096, 8192, 128256, (256, 512, 1024, 2), {}),
+    ("tpu7x", "backward", 8192, 4096, 128256, (256, 512, 1024, 2), {}),
+    ("v5e", "backward", 4096, 1000, 32001, (256, 512, 1024, 2), {"w_layout": "vh"}),  # ragged H and V
     ("v4", "backward", 8192, 8192, 128256, (32, 512, 128, 1), {}),
     ("v4", "forward", 8192, 8192, 128256, (512, 256, 512, None), {}),  # hidden blocks: x double-buffered
 ]

@@ -19,7 +19,11 @@ Grid ``(cores, vocab blocks per core, token blocks)``, token blocks innermost:
   compiled for, and loops over it on a one-core device): each core owns a contiguous range of vocab
   blocks, so each ``dw`` column block belongs to exactly one core and no per-core copy of ``dw`` exists;
 - for one vocab block the ``[Hp, block_v]`` (``"vh"``: ``[block_v, Hp]``) ``dw`` tile is accumulated
-  in a float32 VMEM scratch over all token blocks and written to HBM once, in the dtype of ``w``;
+  in a float32 VMEM scratch over all token blocks and written to HBM once, in the dtype of ``w``: cast
+  into one staging buffer and copied out by a manual DMA that runs under the next vocab block's steps
+  (waited for only before the staging buffer is refilled, a vocab block later, and at the core's end).
+  A pipelined ``dw`` output would take a block per ``w`` buffer, and with one buffer its write-back
+  would stall the core; the staging buffer is the one block either way;
 - ``dx`` needs every vocab block, so each core keeps a float32 partial ``[Np, Hp]`` in HBM: the
   first vocab block of a core writes it, later ones read-add-write it with manual DMAs (the read
   is issued before the tile's matmuls and waited after them; the write of one token block is
@@ -33,8 +37,8 @@ poison ``dx``/``dw``), and ``delta`` is zeroed outside ``[0, N) x [0, V)``.
 
 A grid step, in program order: the ``dx`` rows' read started (:func:`_begin_dx_rows`), the ragged
 operands masked (:func:`_mask_ragged_operands`), ``delta`` formed (:func:`_logit_cotangent`), then
-the ``dw`` step (:func:`_dw_step`) and the ``dx`` step (:func:`_dx_step`), each in ``block_h``-row
-chunks of the hidden dimension.
+the ``dw`` step (:func:`_dw_step`; at a vocab block's last token block, :func:`_write_dw`) and the
+``dx`` step (:func:`_dx_step`), the products in ``block_h``-row chunks of the hidden dimension.
 """
 
 from __future__ import annotations
@@ -57,10 +61,10 @@ from ce_pallas_tpu.layout import LANES
 class BackwardConfig(common.KernelConfig):
     """Static shape and tiling of one backward call; ``block_h`` is the hidden chunk of the dx/dw updates.
 
-    ``w_buffers``: VMEM buffers of the ``w`` and ``dw`` blocks. They change once per vocab block, so
-    one buffer each is enough for correctness, but then the next block's ``w`` is fetched (and
-    the last ``dw`` written back) while the core waits; two let both overlap the steps around a
-    vocab-block change, where VMEM allows.
+    ``w_buffers``: VMEM buffers of the ``w`` blocks. They change once per vocab block, so one buffer
+    is enough for correctness, but then the next block's ``w`` is fetched while the core waits; two
+    let the fetch overlap the steps before a vocab-block change, where VMEM allows. (``dw`` has one
+    staging buffer whatever this is; its write-back never stalls the core.)
     """
 
     w_buffers: int = 1
@@ -80,6 +84,22 @@ class _Rows(NamedTuple):
     g_expected: Any | None
 
 
+class _DwWrite(NamedTuple):
+    """The DMAs that copy the ``dw`` staging buffer to this step's vocab block of ``dw`` in HBM.
+
+    ``full`` copies a whole block. A ragged last block (``V`` not a multiple of ``block_v``) is copied
+    by ``tail``: its columns up to the last whole 128 (sublane group for a ``[V, H]`` head) straight
+    from the staging buffer, then the rest through ``remainder``, a buffer of exactly their shape
+    (Mosaic slices a VMEM window only at whole layout tiles). ``remainder_source`` is the staging
+    buffer's window that fills it.
+    """
+
+    full: Any
+    tail: tuple[Any, ...]
+    remainder: Any | None
+    remainder_source: Any | None
+
+
 class _DxRows(NamedTuple):
     """The step's ``dx`` rows: the VMEM slot they are read into, accumulated in and written from, and
     the DMAs that read them from and write them to the core's partial in HBM."""
@@ -96,7 +116,8 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
     lse_ref, g_lse_ref, g_label_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     g_sum_ref = refs.pop(0) if cfg.with_sum else None
     expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
-    dw_ref, dxp_hbm, dw_acc, dx_buf, sems = refs
+    dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
+    dw_remainder = rest_buf[0] if rest_buf else None
     rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
 
     core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -107,7 +128,9 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
         _begin_dx_rows(dx_rows, dx_buf, jj)
         _mask_ragged_operands(x_ref, w_ref, i, block, cfg)
         d = _logit_cotangent(x_ref, w_ref, rows, i, block, cfg)
-        _dw_step(x_ref, d, dw_acc, dw_ref, i, cfg)
+        _dw_step(x_ref, d, dw_acc, i, cfg)
+        write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
+        _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg)
         _dx_step(w_ref, d, dx_buf, dx_rows, i, jj, cfg)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
@@ -217,9 +240,9 @@ def _logit_cotangent(x_ref, w_ref, rows: _Rows, i, block, cfg: BackwardConfig) -
     return jnp.where(valid, delta, 0.0).astype(common.mxu_dtype(cfg.precision))
 
 
-def _dw_step(x_ref, d: jax.Array, dw_acc, dw_ref, i, cfg: BackwardConfig) -> None:
-    """The dw tile: accumulated over token blocks in VMEM, written once. The accumulator is zeroed
-    first and the product added unconditionally, so the MXU result goes straight into it."""
+def _dw_step(x_ref, d: jax.Array, dw_acc, i, cfg: BackwardConfig) -> None:
+    """The dw tile, accumulated over token blocks in VMEM. The accumulator is zeroed first and the
+    product added unconditionally, so the MXU result goes straight into it."""
 
     @pl.when(i == 0)
     def _():
@@ -231,9 +254,81 @@ def _dw_step(x_ref, d: jax.Array, dw_acc, dw_ref, i, cfg: BackwardConfig) -> Non
         else:
             dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
 
+
+def dw_tail_split(cfg: BackwardConfig) -> tuple[int, int]:
+    """The ragged last vocab block's entries ``(aligned, remainder)``: ``aligned`` a whole number of
+    layout tiles along the vocab axis (128 lanes for ``[H, V]``, 16 sublanes for ``[V, H]``), copied
+    from the staging buffer; ``remainder`` the rest, copied through a buffer of its own (0: none)."""
+    tail = cfg.v - (cfg.nv - 1) * cfg.block_v
+    if tail == cfg.block_v:
+        return 0, 0
+    unit = 16 if cfg.w_layout == "vh" else LANES
+    return tail // unit * unit, tail % unit
+
+
+def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig) -> _DwWrite:
+    """The copies of the staged dw tile (``H``, not ``Hp``, hidden entries) to vocab block ``block`` of
+    ``dw`` in HBM; a ragged last block's at static offsets (Mosaic expresses a ragged HBM window only
+    where it ends at the array's end)."""
+    vh = cfg.w_layout == "vh"
+
+    def window(ref, entries: pl.Slice):
+        return ref.at[entries, :] if vh else ref.at[:, entries]
+
+    def copy(source, entries: pl.Slice):
+        return pltpu.make_async_copy(source, window(dw_hbm, entries), sems.at[2])
+
+    # A single block (block_v == V, of any width) is the whole of dw: its window starts at a static 0.
+    first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
+    full = copy(dw_stage, pl.ds(first, cfg.block_v))
+    aligned, remainder = dw_tail_split(cfg)
+    start = (cfg.nv - 1) * cfg.block_v
+    tail = []
+    if aligned:
+        tail.append(copy(window(dw_stage, pl.ds(0, aligned)), pl.ds(start, aligned)))
+    rest, rest_source = None, None
+    if remainder:
+        rest = copy(dw_remainder, pl.ds(start + aligned, remainder))
+        tail.append(rest)
+        rest_source = pl.ds(aligned, remainder)
+    return _DwWrite(full, tuple(tail), rest, rest_source)
+
+
+def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg: BackwardConfig) -> None:
+    """After the vocab block's last token block: the accumulator cast into the staging buffer (once the
+    core's previous block has left it) and its copy to HBM started; waited for at the core's last
+    block. A ragged last block is the last one of the last core, so only that final wait can be its."""
+
+    def start_tail():
+        if write.remainder_source is not None:
+            entries = write.remainder_source
+            dw_remainder[...] = dw_stage[entries, :] if cfg.w_layout == "vh" else dw_stage[:, entries]
+        for copy in write.tail:
+            copy.start()
+
+    def wait_tail():
+        for copy in write.tail:
+            copy.wait()
+
+    def either(ragged, whole):
+        if not write.tail:
+            whole()
+            return
+        last = block == cfg.nv - 1
+        pl.when(last)(ragged)
+        pl.when(jnp.logical_not(last))(whole)
+
     @pl.when(i == cfg.nb - 1)
     def _():
-        dw_ref[...] = dw_acc[...].astype(dw_ref.dtype)
+        @pl.when(jj > 0)
+        def _():
+            write.full.wait()
+
+        hidden = pl.ds(0, cfg.hidden)  # the accumulator's rows past H are the padding's zeros
+        tile = dw_acc[:, hidden] if cfg.w_layout == "vh" else dw_acc[hidden, :]
+        dw_stage[...] = tile.astype(dw_stage.dtype)
+        either(start_tail, write.full.start)
+        pl.when((jj == cfg.nv_per_core - 1) | (block == cfg.nv - 1))(lambda: either(wait_tail, write.full.wait))
 
 
 def _dx_step(w_ref, d: jax.Array, dx_buf, dx_rows: _DxRows, i, jj, cfg: BackwardConfig) -> None:
@@ -285,16 +380,20 @@ def backward_call(
                                  cfg)
     axes = varying_axes_of(*operands)
     operands = [vary(value, axes) for value in operands]
-    out_specs = [_w_block_spec(cfg), pl.BlockSpec(memory_space=pl.ANY)]  # dw, and the dx partials in HBM
+    out_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2  # dw and the dx partials, in HBM (manual DMAs)
     out_shape = [
         common.out_type(w.shape, w.dtype, axes),
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
     scratch = [
         pltpu.VMEM(_w_block_shape(cfg), jnp.float32),  # dw accumulator
+        pltpu.VMEM(w_block_shape(cfg, cfg.hidden), w.dtype),  # dw staging: the finished tile on its way out
         pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
-        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SemaphoreType.DMA((3,)),  # dx rows in, dx rows out, dw out
     ]
+    remainder = dw_tail_split(cfg)[1]
+    if remainder:  # the ragged last vocab block's entries past its last whole layout tile
+        scratch.append(pltpu.VMEM(w_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden), w.dtype))
     dw, dx_partials = pl.pallas_call(
         functools.partial(_backward_kernel, cfg=cfg),
         grid=(cfg.num_cores, cfg.nv_per_core, cfg.nb),
@@ -321,7 +420,7 @@ def backward_call(
 
 
 def _w_block_spec(cfg: BackwardConfig) -> pl.BlockSpec:
-    """The spec of the ``w`` and ``dw`` blocks: the core's vocab blocks (the last one repeated on a core
+    """The spec of the ``w`` blocks: the core's vocab blocks (the last one repeated on a core
     a block short). They change once per vocab block (every nb steps); see BackwardConfig.w_buffers.
     (Interpret mode ignores buffer counts.)"""
     nvc, nv = cfg.nv_per_core, cfg.nv
@@ -335,8 +434,13 @@ def _w_block_spec(cfg: BackwardConfig) -> pl.BlockSpec:
 
 
 def _w_block_shape(cfg: BackwardConfig) -> tuple[int, int]:
-    """A ``w``/``dw`` block: ``[Hp, block_v]``, or ``[block_v, Hp]`` for a ``[V, H]`` head."""
-    return (cfg.block_v, cfg.hp) if cfg.w_layout == "vh" else (cfg.hp, cfg.block_v)
+    """A ``w`` block (and ``dw``'s accumulator): ``[Hp, block_v]``, or ``[block_v, Hp]`` for a ``[V, H]`` head."""
+    return w_block_shape(cfg, cfg.hp)
+
+
+def w_block_shape(cfg: BackwardConfig, hidden: int) -> tuple[int, int]:
+    """A ``[hidden, block_v]`` block of ``w``'s layout (``[block_v, hidden]`` for a ``[V, H]`` head)."""
+    return (cfg.block_v, hidden) if cfg.w_layout == "vh" else (hidden, cfg.block_v)
 
 
 def _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_expected,

@@ -120,7 +120,8 @@ def backward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, si
     # ones (the cotangent of the logit sum; the expected logit and its cotangent; the row scale).
     columns = 4 + shape.with_sum + 2 * shape.with_expected + shape.with_row_scale
     total = FIXED_BYTES + 2 * _tile(block_b, shape.hp, shape.x_bytes)  # x block
-    total += 2 * w_buffers * _tile(shape.hp, block_v, shape.w_bytes)  # w and dw blocks
+    # w's blocks, and dw's one staging block (the ragged last block's remainder buffer is small)
+    total += (w_buffers + 1) * _tile(shape.hp, block_v, shape.w_bytes)
     total += 2 * columns * _tile(block_b, 1, 4)
     total += _tile(shape.hp, block_v, 4)  # dw accumulator
     total += 2 * _tile(block_b, shape.hp, 4)  # dx partial rows: two slots

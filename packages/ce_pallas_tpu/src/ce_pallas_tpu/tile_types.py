@@ -19,8 +19,8 @@ class KernelTiles[H: (int | None)]:
     (:func:`ce_pallas_tpu.tiling.fit_tiles`: no block beyond its dimension, ``block_h`` set and
     dividing ``Hp``) a ``KernelTiles[int]``.
 
-    ``w_buffers``: the backward's VMEM buffers for its ``w`` and ``dw`` blocks (``None``: two where
-    the VMEM model says they fit, else one); the forward ignores it.
+    ``w_buffers``: the backward's VMEM buffers for its ``w`` blocks (``None``: two where the VMEM
+    model says they fit, else one; ``dw`` has one staging block either way); the forward ignores it.
     """
 
     block_b: int

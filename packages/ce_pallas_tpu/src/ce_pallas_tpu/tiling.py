@@ -181,7 +181,7 @@ def _forward_need(problem: Shape, tiles: KernelTiles[int | None], target: Target
 
 def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None], w_buffers: int | None,
                    target: Target) -> bool:
-    """As :func:`_forward_fits`, for the backward's tiles with ``w_buffers`` w/dw buffers. The row scale is
+    """As :func:`_forward_fits`, for the backward's tiles with ``w_buffers`` w buffers. The row scale is
     per-row state here too, and so is the entropy's expected logit (two columns): every entry compiles
     with it at its example (the AOT tests compile the RL objective at every bucket), so it is judged
     against the example given it too. The logit sum's column and a soft cap are judged against the
@@ -198,7 +198,7 @@ def _backward_fits(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | No
 
 def _fitted_backward(shape: Shape, compiled_at: Shape, tiles: KernelTiles[int | None],
                      target: Target) -> KernelTiles[int] | None:
-    """An entry's backward tiles fitted to this problem with the w/dw buffers they fit with
+    """An entry's backward tiles fitted to this problem with the w buffers they fit with
     (:func:`_backward_fits`): the entry's own, else one; None when neither fits."""
     for w_buffers in dict.fromkeys((tiles.w_buffers, 1)):
         if _backward_fits(shape, compiled_at, tiles, w_buffers, target):
@@ -363,7 +363,7 @@ MAX_SCALED_BACKWARD_COLUMNS = 4096
 def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles[int | None],
                          target: Target) -> KernelTiles[int | None] | None:
     """The entry's backward tiles grown for a hidden size narrower than its example's, where the grown
-    tiles fit the VMEM budget by the model, with the entry's w/dw buffers (None: nothing grows).
+    tiles fit the VMEM budget by the model, with the entry's w buffers (None: nothing grows).
 
     The token block scales with the hidden size (:func:`rows_for_hidden`). On 256-wide MXUs (v6e,
     TPU7x) the vocab block then doubles once, up to :data:`MAX_SCALED_BACKWARD_COLUMNS`: there a
@@ -377,7 +377,7 @@ def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles
 
     def fits(tiles: KernelTiles[int | None]) -> bool:
         fitted = fit_tiles(shape, tiles, backward=True, mxu_side=target.facts.mxu_side)
-        # With the entry's w/dw buffers: a second buffer hides the w block's copy, worth more than
+        # With the entry's w buffers: a second buffer hides the w block's copy, worth more than
         # rows (v6e Gemma-2 2B: 512 rows with one buffer 1.212, 256 rows with two 1.075-1.13).
         return cost_model.backward_bytes(shape, *fitted.sizes, single_w=backward.w_buffers != 2) <= vmem_budget(target)
 
@@ -455,7 +455,7 @@ def check_some_tiles_fit(shape: Shape, target: Target) -> None:
 
 def backward_w_buffers(shape: Shape, tiles: KernelTiles[int], target: Target) -> int:
     """The tiles' own ``w_buffers`` when set (a tuned entry), else two VMEM buffers for the backward's
-    ``w`` and ``dw`` blocks where the VMEM model says they fit the budget, else one."""
+    ``w`` blocks where the VMEM model says they fit the budget, else one."""
     if tiles.w_buffers is not None:
         return tiles.w_buffers
     double = cost_model.backward_bytes(shape, tiles.block_b, tiles.block_h, tiles.block_v, single_w=False)

@@ -20,7 +20,7 @@ class Job:
     x_dtype: str = "bfloat16"
     w_dtype: str = "bfloat16"
     tiles: tuple[int, int | None, int] | None = None
-    w_buffers: int | None = None  # the backward's w/dw buffers (None: as the plan chooses)
+    w_buffers: int | None = None  # the backward's w buffers (None: as the plan chooses)
     logit_soft_cap: float | None = None
     with_sum: bool = False
     with_expected: bool = False  # the entropy's extra statistic (linear_log_probs(return_entropy=True))
@@ -67,7 +67,7 @@ class KernelSchedule:
     x_dtype: str
     w_dtype: str
     tiles: tuple[int, int, int] | None = None  # block_b, block_h, block_v as the kernel uses them
-    w_buffers: int | None = None  # the backward's w/dw buffers
+    w_buffers: int | None = None  # the backward's w buffers
     variant: str = ""  # Job.variant: "" for the plain loss, else e.g. "vh+argmax" or "rl"
     grid: tuple[int, ...] | None = None  # the kernel's full grid
     cores: int | None = None
