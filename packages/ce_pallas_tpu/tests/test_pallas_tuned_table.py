@@ -118,8 +118,19 @@ def test_candidates_are_compute_bound_by_the_analytic_model_and_fit_the_prefilte
         mxu_s = mxu_cycles(generation, "forward", tiles.block_b, problem.hp, tiles.block_v) / chip.clock_hz
         assert problem.hp * tiles.block_v * 2 / chip.hbm_bytes_per_s <= tune.HBM_SHARE * mxu_s
     for tiles in backward:
-        mxu_s = mxu_cycles(generation, "backward", tiles.block_b, problem.hp, tiles.block_v) / chip.clock_hz
-        assert tiles.block_b * problem.hp * 10 / chip.hbm_bytes_per_s <= tune.HBM_SHARE * mxu_s
+        mxu_s = 6 * tiles.block_b * problem.hp * tiles.block_v / chip.bf16_flops
+        assert tiles.block_b * problem.hp * 10 / chip.hbm_bytes_per_s <= mxu_s
+
+
+def test_backward_candidates_on_a_256_wide_mxu_put_whole_passes_first_at_a_wide_head():
+    """v6e at H=8192: a 128-row step fills half of each 256-deep ``dw`` pass; every 256-row candidate
+    (HBM share ``933 / block_v`` whatever the rows) ranks ahead of every 128-row one, and 256/512/1024
+    (share 0.91, the one that fits beside two ``w`` buffers) is among them."""
+    problem = tiling.bucket_example("wide")
+    backward = tune.backward_candidates(problem, "v6e")
+    rows = [tiles.block_b for tiles in backward]
+    assert 128 in rows and rows.index(128) > max(i for i, b in enumerate(rows) if b >= 256)
+    assert KernelTiles(256, tune.BACKWARD_CHUNK, 1024) in backward
 
 
 @pytest.mark.parametrize("generation", tune.GENERATIONS[1:])
