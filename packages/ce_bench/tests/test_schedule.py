@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ce_bench import cli
+from ce_bench import cli, schedule
 from ce_pallas_tpu.tooling.schedule import SCHEDULE_CHIPS, mxu_cycles
 
 #: The slow tier: libtpu static schedules (uv run pytest -m slow).
@@ -27,7 +27,7 @@ def test_schedule_reports_each_kernel_against_its_mxu_minimum(tmp_path: Path,
                      "--quiet"])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "cycles/step" in printed and "MXU min" in printed
+    assert "cycles/step" in printed and "MXU min" in printed and "est. / roofline" in printed
     records = json.loads(json_path.read_text())
     assert [record["kernel"] for record in records] == ["forward", "backward"]
     chip = SCHEDULE_CHIPS["v5e"]
@@ -47,6 +47,11 @@ def test_schedule_reports_each_kernel_against_its_mxu_minimum(tmp_path: Path,
         assert record["vmatmuls_per_step"] == pytest.approx(record["mxu_cycles_per_step"] * 4 / 16, rel=1e-6)
         assert record["steps_per_core"] == record["grid"][1] * record["grid"][2] * (
             record["grid"][3] if record["kernel"] == "forward" else 1)
+        # The estimate cannot beat the kernel's flops at the chip's peak.
+        flops = (2 if record["kernel"] == "forward" else 6) * N * H * V
+        assert record["roofline_us"] == pytest.approx(flops / chip.bf16_flops * 1e6)
+        over = schedule.over_roofline(record)
+        assert over is not None and over >= 1.0
 
 
 def test_schedule_rejects_a_generation_libtpu_cannot_profile() -> None:

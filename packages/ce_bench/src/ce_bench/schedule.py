@@ -68,24 +68,38 @@ def _number(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def estimated_ms(record: dict[str, Any]) -> float:
+    """The kernel's estimated time: its static cycles at the clock, or its HBM bytes at the core's
+    bandwidth where those take longer (the static cycles do not see HBM)."""
+    return max(record["kernel_us"], record["hbm_floor_us"]) / 1e3
+
+
+def over_roofline(record: dict[str, Any]) -> float | None:
+    """The estimated time over the kernel's flops at the chip's peak: unlike the ratio (cycles over the
+    tiles' MXU passes), it also counts passes the tiles leave half-filled (a 128-row backward step on a
+    256-wide MXU) and padding of ``H`` to 128."""
+    roofline = record.get("roofline_us")
+    return None if not roofline else estimated_ms(record) * 1e3 / roofline
+
+
 def schedule_table(records: Sequence[dict[str, Any]], fmt: str = "text") -> str:
-    """Per kernel: tiles, grid, cycles and bundles per step, the MXU minimum, their ratio, HBM vs MXU time."""
+    """Per kernel: tiles, grid, cycles and bundles per step, the MXU minimum, their ratio, HBM vs MXU time,
+    the estimated kernel time and that over the roofline."""
     notes = _Notes()
     headers = ["target", "shape (N x H x V)", "x/w dtype", "kernel", "variant", "tiles b/h/v", "grid", "cycles/step",
-               "bundles/step", "MXU min", "ratio", "HBM us/step", "MXU us/step", "est. kernel ms"]
+               "bundles/step", "MXU min", "ratio", "HBM us/step", "MXU us/step", "est. kernel ms", "est. / roofline"]
     rows = []
     for record in records:
         if record.get("error"):
             rows.append([record["generation"], record["shape"], _dtypes(record), record["kernel"],
                          record.get("variant") or "plain", "-", "-",
-                         "failed" + notes.ref(record["error"]), *["-"] * 6])
+                         "failed" + notes.ref(record["error"]), *["-"] * 7])
             continue
         grid = "x".join(str(d) for d in record["grid"])
-        kernel_ms = max(record["kernel_us"], record["hbm_floor_us"]) / 1e3
         rows.append([record["generation"], record["shape"], _dtypes(record), record["kernel"],
                      record.get("variant") or "plain", _tiles(record), grid,
                      _number(record["cycles_per_step"]), _number(record["bundles_per_step"]),
                      _number(record["mxu_cycles_per_step"]), f"{record['ratio']:.3f}",
                      _number(record["hbm_us_per_step"], 2), _number(record["mxu_us_per_step"], 2),
-                     _number(kernel_ms, 2)])
-    return _render(headers, rows, notes, fmt, right={7, 8, 9, 10, 11, 12, 13})
+                     _number(estimated_ms(record), 2), _number(over_roofline(record), 3)])
+    return _render(headers, rows, notes, fmt, right={7, 8, 9, 10, 11, 12, 13, 14})
