@@ -33,7 +33,8 @@ Grid ``(cores, vocab blocks per core, token blocks)``, token blocks innermost:
 Ragged edges are masked in the kernel: garbage rows of ``x`` in the last token block, garbage
 vocab entries of ``w`` in the last vocab block and garbage past ``H`` in both (blocks span ``Hp``, ``H``
 rounded up to 128) are zeroed in their VMEM buffers before they enter a product (``0 * NaN`` would
-poison ``dx``/``dw``), and ``delta`` is zeroed outside ``[0, N) x [0, V)``.
+poison ``dx``/``dw``), and the per-row inputs of rows past ``N`` are zeroed, so that their ``delta`` is
+0; nothing is masked per logit (:func:`_logit_cotangent` says why the columns past ``V`` need nothing).
 
 A grid step, in program order: the ``dx`` rows' read started (:func:`_begin_dx_rows`), the ragged
 operands masked (:func:`_mask_ragged_operands`), ``delta`` formed (:func:`_logit_cotangent`), then
@@ -197,47 +198,53 @@ def _mask_ragged_operands(x_ref, w_ref, i, block, cfg: BackwardConfig) -> None:
             w_ref[...] = jnp.where(entry < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
 
 
+def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
+    """The per-row inputs of the step as values. In a ragged last token block the rows past ``N``
+    hold garbage (NaN, say): their coefficients are zeroed and their ``lse``, ``expected`` and scale
+    made 0, so that their ``delta`` is exactly 0 (their ``x`` rows are zeros, so their logits are 0 and
+    ``p`` is 1) and no per-logit mask is needed."""
+    values = _Rows(*(None if ref is None else ref[...] for ref in rows))
+    if cfg.n % cfg.block_b == 0:
+        return values
+    row_ok = (i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, 1), 0)) < cfg.n
+
+    def zeroed(value):
+        return None if value is None else jnp.where(row_ok, value, jnp.zeros((), value.dtype))
+
+    return _Rows(values.y, *(zeroed(value) for value in values[1:]))  # a garbage label meets g_label = 0
+
+
 def _logit_cotangent(x_ref, w_ref, rows: _Rows, i, block, cfg: BackwardConfig) -> jax.Array:
-    """``delta`` of the tile (see the module docs) from its recomputed logits, zero outside
-    ``[0, N) x [0, V)``, in the products' dtype."""
+    """``delta`` of the tile (see the module docs) from its recomputed logits, in the products' dtype.
+
+    Nothing is masked per logit. Rows past ``N`` get a ``delta`` of exactly 0 (:func:`_row_values`).
+    Columns past ``V`` in a ragged last vocab block get a finite one: their ``w`` entries were zeroed
+    (:func:`_mask_ragged_operands`), so their logits are 0 and they add nothing to ``dx``; their ``dw``
+    columns are never written (:func:`_dw_write`), and no label falls on them."""
+    row = _row_values(rows, i, cfg)
     product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
     z, t = common.soft_cap(product(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
-    if rows.scale is not None:
-        z = rows.scale[...] * z
+    if row.scale is not None:
+        z = row.scale * z
     # Columns are counted from the block's first, and the per-row terms carry the offset, so no
     # per-logit work goes into global column numbers.
     first = block * cfg.block_v
     col = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-    p = jnp.exp(z - rows.lse[...])
-    if rows.expected is None or rows.g_expected is None:
-        delta = rows.g_lse[...] * p
+    p = jnp.exp(z - row.lse)
+    if row.expected is None or row.g_expected is None:
+        delta = row.g_lse * p
     else:
         # p * (g_lse + g_expected * (1 + z - expected)), its row terms gathered: two vector ops per
         # logit fewer.
-        g_expected = rows.g_expected[...]
-        delta = p * ((rows.g_lse[...] + g_expected * (1.0 - rows.expected[...])) + g_expected * z)
-    delta = delta + jnp.where(col == rows.y[...] - first, rows.g_label[...], 0.0)
-    if rows.g_sum is not None:
-        delta = delta + rows.g_sum[...]
+        delta = p * ((row.g_lse + row.g_expected * (1.0 - row.expected)) + row.g_expected * z)
+    delta = delta + jnp.where(col == row.y - first, row.g_label, 0.0)
+    if row.g_sum is not None:
+        delta = delta + row.g_sum
     if t is not None:
         delta = delta * (1.0 - t * t)
-    if rows.scale is not None:
-        delta = delta * rows.scale[...]
-    valid = None
-    if cfg.v % cfg.block_v:
-        valid = col < cfg.v - first
-    if cfg.n % cfg.block_b:
-        row_ok = (i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, z.shape, 0)) < cfg.n
-        valid = row_ok if valid is None else valid & row_ok
-    if valid is None:
-        return delta.astype(common.mxu_dtype(cfg.precision))
-    if cfg.w_layout == "vh":
-        # Masked after the cast: the same values, and libtpu's static profiler (the schedule tooling)
-        # aborts on a masked float32 delta packed for the NN dx product (a type check of its
-        # vmatmul operand); the normal compile accepts either.
-        delta = delta.astype(common.mxu_dtype(cfg.precision))
-        return jnp.where(valid, delta, jnp.zeros((), delta.dtype))
-    return jnp.where(valid, delta, 0.0).astype(common.mxu_dtype(cfg.precision))
+    if row.scale is not None:
+        delta = delta * row.scale
+    return delta.astype(common.mxu_dtype(cfg.precision))
 
 
 def _dw_step(x_ref, d: jax.Array, dw_acc, i, cfg: BackwardConfig) -> None:
