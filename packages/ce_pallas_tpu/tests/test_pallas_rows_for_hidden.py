@@ -94,7 +94,9 @@ def test_scaled_tiles_only_grow_the_steps_and_fit(generation: str, n: int, head:
                                                                                   2 * entry_tiles.block_v)
         assert (backward.block_b, backward.block_v) != (entry.backward.block_b, entry_tiles.block_v)
         assert backward.block_v == entry_tiles.block_v or side == 256  # columns only on 256-wide MXUs
-        assert backward.w_buffers == entry.backward.w_buffers  # a step never bought with a w buffer
+        # Rows are never bought with a w buffer; doubled columns may be (on 256-wide MXUs).
+        assert backward.w_buffers == entry.backward.w_buffers or (
+            backward.w_buffers == 1 and backward.block_v == 2 * entry_tiles.block_v)
         need = cost_model.backward_bytes(shape, *backward.sizes, single_w=backward.w_buffers != 2)
         assert need <= tiling.vmem_budget(tg)
     else:
@@ -146,11 +148,13 @@ def test_the_rules_move_the_narrow_v6e_heads_that_missed_their_target() -> None:
 def test_the_backward_columns_double_only_on_256_wide_mxus() -> None:
     """Qwen3-0.6B's backward: 1024 rows everywhere the rows fit; twice the columns on v6e (1.148 ->
     1.093) and TPU7x (1.305 -> 1.201), where a step's HBM traffic is a large share of its MXU time;
-    not on v5e and v5p, whose tiles were measured as they are (1.023-1.093)."""
+    not on v5e and v5p, whose tiles were measured as they are (1.023-1.093). TPU7x's entry has two
+    ``w`` buffers, and the doubled columns fit with one only: they take one (3.93 ms against 4.12)."""
     qwen3 = Problem(4096, 1024, 151936).shape
     sizes = {generation: tiling.tuned_tiles(qwen3, target(generation)).backward for generation in GENERATIONS}
     assert (sizes["v6e"].block_b, sizes["v6e"].block_v) == (1024, 4096)
-    assert (sizes["tpu7x"].block_b, sizes["tpu7x"].block_v) == (1024, 2048)
+    assert (sizes["tpu7x"].block_b, sizes["tpu7x"].block_v, sizes["tpu7x"].w_buffers) == (1024, 2048, 1)
+    assert tiling.tuned_table()[("tpu7x", "large_vocab")].backward.w_buffers == 2
     for generation in ("v5e", "v5p"):
         entry = tiling.tuned_table()[(generation, "large_vocab")].backward
         assert sizes[generation].block_v == entry.block_v and "backward steps" in tiling.tuned_tiles(

@@ -377,21 +377,27 @@ def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles
 
     def fits(tiles: KernelTiles[int | None]) -> bool:
         fitted = fit_tiles(shape, tiles, backward=True, mxu_side=target.facts.mxu_side)
-        # With the entry's w buffers: a second buffer hides the w block's copy, worth more than
-        # rows (v6e Gemma-2 2B: 512 rows with one buffer 1.212, 256 rows with two 1.075-1.13).
-        return cost_model.backward_bytes(shape, *fitted.sizes, single_w=backward.w_buffers != 2) <= vmem_budget(target)
+        return cost_model.backward_bytes(shape, *fitted.sizes, single_w=tiles.w_buffers != 2) <= vmem_budget(target)
 
     grown = backward
     rows = rows_for_hidden(backward.block_b, compiled_at.hp, shape.hp)
+    # Rows grow with the entry's w buffers: a second buffer hides the w block's copy, worth more than
+    # rows (v6e Gemma-2 2B: 512 rows with one buffer 1.212, 256 rows with two 1.075-1.13).
     while rows > backward.block_b:  # the most rows that fit, halving down to the entry's own
         if rows <= round_up(shape.n, SUBLANES) and fits(dataclasses.replace(backward, block_b=rows)):
             grown = dataclasses.replace(backward, block_b=rows)
             break
         rows //= 2
     columns = 2 * backward.block_v
-    if (target.facts.mxu_side >= 256 and columns <= min(MAX_SCALED_BACKWARD_COLUMNS, round_up(shape.v, LANES))
-            and fits(dataclasses.replace(grown, block_v=columns))):
-        grown = dataclasses.replace(grown, block_v=columns)
+    if target.facts.mxu_side >= 256 and columns <= min(MAX_SCALED_BACKWARD_COLUMNS, round_up(shape.v, LANES)):
+        # Columns, with one buffer where two do not fit: the halved HBM traffic per logit is worth more
+        # than the hidden w copy (TPU7x Qwen3-0.6B, 4096 tokens: 1024/512/2048 with one buffer 3.93 ms,
+        # 1024/512/1024 with two 4.12).
+        for w_buffers in dict.fromkeys((backward.w_buffers, 1)):
+            wider = dataclasses.replace(grown, block_v=columns, w_buffers=w_buffers)
+            if fits(wider):
+                grown = wider
+                break
     return None if grown is backward else grown
 
 

@@ -14,7 +14,7 @@ and one kernel:
    per-step cost (:data:`MIN_STEP_CYCLES`) first, then (forward) the longest step up to
    :data:`FORWARD_LONG_STEP`, then the smallest footprint;
 2. each candidate is compiled alone at full size for the generation; a backward one with two
-   ``w``/``dw`` buffers first, then with one. What libtpu refuses (VMEM) is dropped;
+   ``w`` buffers first, then with one. What libtpu refuses (VMEM) is dropped;
 3. the first ``max_candidates`` that compile are measured by :func:`ce_pallas_tpu.tooling.schedule.measure`;
 4. the winner has the least estimated kernel time (:func:`estimated_us`).
 
