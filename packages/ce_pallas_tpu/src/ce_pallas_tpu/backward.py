@@ -90,14 +90,13 @@ class _DwWrite(NamedTuple):
 
     ``full`` copies a whole block. A ragged last block (``V`` not a multiple of ``block_v``) is copied
     by ``tail``: its columns up to the last whole 128 (sublane group for a ``[V, H]`` head) straight
-    from the staging buffer, then the rest through ``remainder``, a buffer of exactly their shape
-    (Mosaic slices a VMEM window only at whole layout tiles). ``remainder_source`` is the staging
-    buffer's window that fills it.
+    from the staging buffer, then the rest through a buffer of exactly their shape (Mosaic slices a
+    VMEM window only at whole layout tiles). ``remainder_source`` is the staging buffer's window that
+    fills that buffer (None: no such rest).
     """
 
     full: Any
     tail: tuple[Any, ...]
-    remainder: Any | None
     remainder_source: Any | None
 
 
@@ -262,7 +261,7 @@ def _dw_step(x_ref, d: jax.Array, dw_acc, i, cfg: BackwardConfig) -> None:
             dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
 
 
-def dw_tail_split(cfg: BackwardConfig) -> tuple[int, int]:
+def _dw_tail_split(cfg: BackwardConfig) -> tuple[int, int]:
     """The ragged last vocab block's entries ``(aligned, remainder)``: ``aligned`` a whole number of
     layout tiles along the vocab axis (128 lanes for ``[H, V]``, 16 sublanes for ``[V, H]``), copied
     from the staging buffer; ``remainder`` the rest, copied through a buffer of its own (0: none)."""
@@ -288,17 +287,16 @@ def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig) 
     # A single block (block_v == V, of any width) is the whole of dw: its window starts at a static 0.
     first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
     full = copy(dw_stage, pl.ds(first, cfg.block_v))
-    aligned, remainder = dw_tail_split(cfg)
+    aligned, remainder = _dw_tail_split(cfg)
     start = (cfg.nv - 1) * cfg.block_v
     tail = []
     if aligned:
         tail.append(copy(window(dw_stage, pl.ds(0, aligned)), pl.ds(start, aligned)))
-    rest, rest_source = None, None
+    rest_source = None
     if remainder:
-        rest = copy(dw_remainder, pl.ds(start + aligned, remainder))
-        tail.append(rest)
+        tail.append(copy(dw_remainder, pl.ds(start + aligned, remainder)))
         rest_source = pl.ds(aligned, remainder)
-    return _DwWrite(full, tuple(tail), rest, rest_source)
+    return _DwWrite(full, tuple(tail), rest_source)
 
 
 def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg: BackwardConfig) -> None:
@@ -394,13 +392,13 @@ def backward_call(
     ]
     scratch = [
         pltpu.VMEM(_w_block_shape(cfg), jnp.float32),  # dw accumulator
-        pltpu.VMEM(w_block_shape(cfg, cfg.hidden), w.dtype),  # dw staging: the finished tile on its way out
+        pltpu.VMEM(_block_shape(cfg, cfg.hidden), w.dtype),  # dw staging: the finished tile on its way out
         pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
         pltpu.SemaphoreType.DMA((3,)),  # dx rows in, dx rows out, dw out
     ]
-    remainder = dw_tail_split(cfg)[1]
+    remainder = _dw_tail_split(cfg)[1]
     if remainder:  # the ragged last vocab block's entries past its last whole layout tile
-        scratch.append(pltpu.VMEM(w_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden), w.dtype))
+        scratch.append(pltpu.VMEM(_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden), w.dtype))
     dw, dx_partials = pl.pallas_call(
         functools.partial(_backward_kernel, cfg=cfg),
         grid=(cfg.num_cores, cfg.nv_per_core, cfg.nb),
@@ -442,10 +440,10 @@ def _w_block_spec(cfg: BackwardConfig) -> pl.BlockSpec:
 
 def _w_block_shape(cfg: BackwardConfig) -> tuple[int, int]:
     """A ``w`` block (and ``dw``'s accumulator): ``[Hp, block_v]``, or ``[block_v, Hp]`` for a ``[V, H]`` head."""
-    return w_block_shape(cfg, cfg.hp)
+    return _block_shape(cfg, cfg.hp)
 
 
-def w_block_shape(cfg: BackwardConfig, hidden: int) -> tuple[int, int]:
+def _block_shape(cfg: BackwardConfig, hidden: int) -> tuple[int, int]:
     """A ``[hidden, block_v]`` block of ``w``'s layout (``[block_v, hidden]`` for a ``[V, H]`` head)."""
     return (cfg.block_v, hidden) if cfg.w_layout == "vh" else (hidden, cfg.block_v)
 
