@@ -41,6 +41,8 @@ PARITY_CASES = [
     ("v5p", (141,), 136, 513, "float32", Case(reduction="none", use_weights=True), BlockSizes(48, 128, 128)),
     ("v5e", (2, 64), 256, 384, "bfloat16", Case(use_weights=True, logsumexp_weight=1e-3), BlockSizes(64, 128, 128)),
     ("v5p", (256,), 128, 640, "bfloat16", Case(), None),
+    # Tuned token blocks balanced over N (the backward's 256 rows become two blocks of 160).
+    ("v5p", (300,), 200, 700, "bfloat16", Case(label_smoothing=0.1), BlockSizes(None, 128, 128)),
     ("v5e", (37,), 48, 203, "float32", Case(use_weights=True, label_smoothing=0.05), None),
     # v6e: the streamed forward step in chunks of 256 vocab columns (2 and 3 per block).
     ("v6e", (3, 47), 256, 1700, "bfloat16", Case(reduction="sum", use_weights=True, label_smoothing=0.1),

@@ -10,6 +10,7 @@ compile for every generation with both objectives.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -98,7 +99,10 @@ def test_scaled_tiles_only_grow_the_steps_and_fit(generation: str, n: int, head:
         assert backward.w_buffers == entry.backward.w_buffers or (
             backward.w_buffers == 1 and backward.block_v == 2 * entry_tiles.block_v)
         need = cost_model.backward_bytes(shape, *backward.sizes, single_w=backward.w_buffers != 2)
-        assert need <= tiling.vmem_budget(tg)
+        # Two buffers with doubled columns are judged against Mosaic's limit (the model bounds
+        # libtpu's figure from above), everything else against the budget.
+        doubled_with_two = backward.w_buffers == 2 and backward.block_v == 2 * entry_tiles.block_v
+        assert need <= (tiling.vmem_limit(tg) if doubled_with_two else tiling.vmem_budget(tg))
     else:
         assert (backward.block_b, backward.block_v) == (entry.backward.block_b, entry_tiles.block_v)
 
@@ -149,16 +153,32 @@ def test_the_backward_columns_double_only_on_256_wide_mxus() -> None:
     """Qwen3-0.6B's backward: 1024 rows everywhere the rows fit; twice the columns on v6e (1.148 ->
     1.093) and TPU7x (1.305 -> 1.201), where a step's HBM traffic is a large share of its MXU time;
     not on v5e and v5p, whose tiles were measured as they are (1.023-1.093). TPU7x's entry has two
-    ``w`` buffers, and the doubled columns fit with one only: they take one (3.93 ms against 4.12)."""
+    ``w`` buffers; the doubled columns keep them within Mosaic's limit (3.83 ms, against 3.93 with one
+    buffer and 4.12 with two and 1024 columns)."""
     qwen3 = Problem(4096, 1024, 151936).shape
     sizes = {generation: tiling.tuned_tiles(qwen3, target(generation)).backward for generation in GENERATIONS}
     assert (sizes["v6e"].block_b, sizes["v6e"].block_v) == (1024, 4096)
-    assert (sizes["tpu7x"].block_b, sizes["tpu7x"].block_v, sizes["tpu7x"].w_buffers) == (1024, 2048, 1)
+    assert (sizes["tpu7x"].block_b, sizes["tpu7x"].block_v, sizes["tpu7x"].w_buffers) == (1024, 2048, 2)
     assert tiling.tuned_table()[("tpu7x", "large_vocab")].backward.w_buffers == 2
     for generation in ("v5e", "v5p"):
         entry = tiling.tuned_table()[(generation, "large_vocab")].backward
         assert sizes[generation].block_v == entry.block_v and "backward steps" in tiling.tuned_tiles(
             qwen3, target(generation)).source
+
+
+def test_doubled_columns_keep_two_w_buffers_within_mosaics_limit_and_one_beyond_it(monkeypatch) -> None:
+    """TPU7x, RL objective: Qwen2.5-1.5B's 512/512/2048 step needs 52.0 MiB by the model with two
+    buffers, over the budget (51.2) but within the limit (57.6; libtpu: 44.8), and two buffers are
+    faster (22.96 ms against 24.81 at 16384 tokens). With the budget's slack gone the rule still falls
+    back to one buffer where two exceed the limit."""
+    tg = target("tpu7x")
+    rl = dataclasses.replace(Problem(16384, 1536, 151936).shape, with_expected=True)
+    backward = tiling.tuned_tiles(rl, tg).backward
+    assert (*backward.sizes, backward.w_buffers) == (512, 512, 2048, 2)
+    need = cost_model.backward_bytes(rl, *backward.sizes, single_w=False)
+    assert tiling.vmem_budget(tg) < need <= tiling.vmem_limit(tg)
+    monkeypatch.setattr(tiling, "vmem_limit", lambda _: need - 1)
+    assert tiling.tuned_tiles(rl, tg).backward.w_buffers == 1
 
 
 def test_a_narrow_head_goes_by_its_tokens_and_vocab_not_the_small_bucket() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ce_core
@@ -130,6 +131,33 @@ def test_fitted_tiles_is_a_deprecated_name_of_kernel_tiles():
 def test_small_dimensions_become_whole_dimension_blocks():
     tiles = tiling.tuned_tiles(_shape(37, 48, 203), _target("v5p"))
     assert tiles.forward.block_b == 37 and tiles.forward.block_v == 203 and tiles.forward.block_h == 128
+
+
+@pytest.mark.parametrize("n,block_b,expected", [(269, 256, 144), (4100, 2048, 1376), (3000, 2048, 1504),
+                                                 (8192, 2048, 2048), (100, 256, 100), (2049, 1024, 688)])
+def test_token_blocks_are_balanced_over_n(n, block_b, expected):
+    assert tiling.balanced_rows(n, block_b) == expected
+
+
+def test_balanced_token_blocks_keep_the_block_count_and_pad_less_than_a_row_unit_per_block():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        n, block_b = int(rng.integers(1, 50000)), 16 * int(rng.integers(1, 129))
+        rows = tiling.balanced_rows(n, block_b)
+        blocks = -(-n // block_b)
+        assert rows <= block_b and -(-n // rows) == blocks, (n, block_b, rows)
+        assert blocks == 1 or (rows % 16 == 0 and blocks * rows - n < 16 * blocks), (n, block_b, rows)
+
+
+def test_tuned_tiles_balance_the_token_blocks_and_explicit_ones_stay():
+    shape = _shape(4100, 4096, 128256)
+    tiles = tiling.tuned_tiles(shape, _target("v6e"))
+    assert tiles.source == "table:v6e/llama3" and tiles.forward.block_b == 1376  # 2048 rows in the table
+    assert tiles.backward.block_b == 256  # 17 blocks of 256 rows: 4352 rows either way
+    explicit = tiling.resolve_tiles(shape, _target("v6e"), BlockSizes(1024, 512, 512))
+    assert explicit.forward.block_b == explicit.backward.block_b == 1024  # 5 blocks; balanced would be 832
+    partial = tiling.resolve_tiles(shape, _target("v6e"), BlockSizes(v_block_size=1024))
+    assert partial.forward.block_b == 1376
 
 
 def test_explicit_block_sizes_override_both_kernels():

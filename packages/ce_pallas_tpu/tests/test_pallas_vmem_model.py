@@ -45,6 +45,9 @@ CASES = [
     ("v5p", "forward", 4096, 4096, 128256, (1024, None, 1024, None), {"with_expected": True}),
     ("tpu7x", "backward", 4096, 1024, 151936, (1024, 512, 1024, 1), {}),
     ("tpu7x", "backward", 8192, 4096, 128256, (256, 512, 1024, 1), {"with_expected": True}),
+    # doubled columns with two buffers, above the budget but within the limit (tiling._backward_for_hidden)
+    ("tpu7x", "backward", 16384, 1536, 151936, (512, 512, 2048, 2), {"with_expected": True}),
+    ("tpu7x", "backward", 4096, 1024, 151936, (1024, 512, 2048, 2), {}),
     ("tpu7x", "forward", 4096, 2048, 151936, (1024, None, 4096, None), {}),
     # dw's one staging block whatever w's buffers (Llama-3 70B on v6e; TPU7x's two-buffer llama3 step)
     ("v6e", "backward", 4096, 8192, 128256, (256, 512, 1024, 2), {}),

@@ -22,7 +22,8 @@ Order of precedence:
    :mod:`ce_pallas_tpu.cost_model`) among those whose footprint fits the generation's VMEM budget.
 
 A tile larger than its dimension covers the whole dimension (the block then equals the array's
-extent, which every TPU layout accepts).
+extent, which every TPU layout accepts). Tiles from 2-4 split the tokens into blocks of even size
+(:func:`balanced_rows`); an explicit ``b_block_size`` is used as given.
 """
 
 from __future__ import annotations
@@ -136,11 +137,32 @@ def bucket_example(bucket: str) -> Shape:
     return Shape(n, round_up(h, LANES), v, 2, 2, with_sum=False, capped=False)
 
 
+#: A balanced token block is a whole number of these rows: whole sublane tiles of 16-bit and 32-bit ``x``.
+_ROW_UNIT = 2 * SUBLANES
+
+
+def balanced_rows(n: int, block_b: int) -> int:
+    """The token block with as many blocks over ``n`` rows as ``block_b`` gives, but the fewest padded
+    rows: ``n`` split evenly and rounded up to :data:`_ROW_UNIT`, never above ``block_b``.
+
+    A block that does not divide ``n`` pays for its padded rows in every matmul of the last block:
+    v6e's Llama-3 forward at 4100 tokens takes three 2048-row blocks (6144 rows of work, 7.36 ms by
+    libtpu's static schedule) where three 1376-row blocks do the same job in 4.98 ms; v5p's backward
+    at 269 tokens, two 256-row blocks against two 144-row ones, 0.385 against 0.288 ms
+    (docs/benchmarks.md, "Token blocks balanced over N").
+    """
+    blocks = -(-n // block_b)
+    if blocks == 1:
+        return min(n, block_b)
+    return min(block_b, round_up(-(-n // blocks), _ROW_UNIT))
+
+
 def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool,
-              mxu_side: int = LANES) -> KernelTiles[int]:
+              mxu_side: int = LANES, balance_rows: bool = True) -> KernelTiles[int]:
     """Clamp tiles to the problem: a block never exceeds its dimension; ``block_h`` divides ``Hp`` (a
-    whole number of ``mxu_side``-wide MXU tiles where such a divisor exists, see :func:`_hidden_block`)."""
-    block_b = shape.n if shape.n <= tiles.block_b else tiles.block_b
+    whole number of ``mxu_side``-wide MXU tiles where such a divisor exists, see :func:`_hidden_block`);
+    with ``balance_rows`` (all but a caller's explicit sizes) the token block is :func:`balanced_rows`."""
+    block_b = balanced_rows(shape.n, tiles.block_b) if balance_rows else min(shape.n, tiles.block_b)
     block_v = shape.v if shape.v <= tiles.block_v else tiles.block_v
     if backward:
         block_h = _hidden_block(shape.hp, tiles.block_h or _BACKWARD_CHUNK, mxu_side)
@@ -375,9 +397,9 @@ def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles
     if shape.hp >= compiled_at.hp:
         return None
 
-    def fits(tiles: KernelTiles[int | None]) -> bool:
+    def fits(tiles: KernelTiles[int | None], room: int = vmem_budget(target)) -> bool:
         fitted = fit_tiles(shape, tiles, backward=True, mxu_side=target.facts.mxu_side)
-        return cost_model.backward_bytes(shape, *fitted.sizes, single_w=tiles.w_buffers != 2) <= vmem_budget(target)
+        return cost_model.backward_bytes(shape, *fitted.sizes, single_w=tiles.w_buffers != 2) <= room
 
     grown = backward
     rows = rows_for_hidden(backward.block_b, compiled_at.hp, shape.hp)
@@ -392,10 +414,13 @@ def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles
     if target.facts.mxu_side >= 256 and columns <= min(MAX_SCALED_BACKWARD_COLUMNS, round_up(shape.v, LANES)):
         # Columns, with one buffer where two do not fit: the halved HBM traffic per logit is worth more
         # than the hidden w copy (TPU7x Qwen3-0.6B, 4096 tokens: 1024/512/2048 with one buffer 3.93 ms,
-        # 1024/512/1024 with two 4.12).
+        # 1024/512/1024 with two 4.12). Two buffers are judged against Mosaic's limit, not the budget:
+        # the model bounds libtpu's figure from above, and a second buffer is worth more than the
+        # budget's slack (TPU7x Qwen2.5-1.5B RL, 16384 tokens, 512/512/2048: 52.0 MiB by the model,
+        # 44.8 by libtpu, limit 57.6; two buffers 22.96 ms, one 24.81).
         for w_buffers in dict.fromkeys((backward.w_buffers, 1)):
             wider = dataclasses.replace(grown, block_v=columns, w_buffers=w_buffers)
-            if fits(wider):
+            if fits(wider, vmem_limit(target) if w_buffers == 2 else vmem_budget(target)):
                 grown = wider
                 break
     return None if grown is backward else grown
@@ -505,8 +530,9 @@ def resolve_tiles(shape: Shape, target: Target, block_sizes: BlockSizes | None,
         forward = KernelTiles(block_b or f.block_b, f.block_h if block_h is None else block_h, block_v or f.block_v)
         backward = KernelTiles(block_b or bw.block_b, block_h or bw.block_h, block_v or bw.block_v)
     mxu_side = target.facts.mxu_side
-    tiles = Tiles(fit_tiles(shape, forward, backward=False, mxu_side=mxu_side),
-                  fit_tiles(shape, backward, backward=True, mxu_side=mxu_side), "explicit")
+    tiles = Tiles(fit_tiles(shape, forward, backward=False, mxu_side=mxu_side, balance_rows=block_b is None),
+                  fit_tiles(shape, backward, backward=True, mxu_side=mxu_side, balance_rows=block_b is None),
+                  "explicit")
     _check_explicit_vmem(shape, target, block_sizes, tiles)
     return tiles
 
