@@ -385,7 +385,8 @@ MAX_SCALED_BACKWARD_COLUMNS = 4096
 def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles[int | None],
                          target: Target) -> KernelTiles[int | None] | None:
     """The entry's backward tiles grown for a hidden size narrower than its example's, where the grown
-    tiles fit the VMEM budget by the model, with the entry's w buffers (None: nothing grows).
+    tiles fit the VMEM budget by the model (doubled columns with two w buffers: Mosaic's limit), with
+    the entry's w buffers (None: nothing grows).
 
     The token block scales with the hidden size (:func:`rows_for_hidden`). On 256-wide MXUs (v6e,
     TPU7x) the vocab block then doubles once, up to :data:`MAX_SCALED_BACKWARD_COLUMNS`: there a
