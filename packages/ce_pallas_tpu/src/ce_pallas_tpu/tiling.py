@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from ce_core import BlockSizes, UnsupportedError
 from ce_pallas_tpu import cost_model
 from ce_pallas_tpu.cost_model import Shape
-from ce_pallas_tpu.layout import LANES, SUBLANES, round_up
+from ce_pallas_tpu.layout import LANES, SUBLANES, cdiv, round_up
 from ce_pallas_tpu.target import CHIP_FACTS, Target
 from ce_pallas_tpu.tile_types import KernelTiles, Tiles, TunedEntry
 
@@ -151,10 +151,10 @@ def balanced_rows(n: int, block_b: int) -> int:
     at 269 tokens, two 256-row blocks against two 144-row ones, 0.385 against 0.288 ms
     (docs/benchmarks.md, "Token blocks balanced over N").
     """
-    blocks = -(-n // block_b)
+    blocks = cdiv(n, block_b)
     if blocks == 1:
         return min(n, block_b)
-    return min(block_b, round_up(-(-n // blocks), _ROW_UNIT))
+    return min(block_b, round_up(cdiv(n, blocks), _ROW_UNIT))
 
 
 def fit_tiles(shape: Shape, tiles: KernelTiles[int | None], *, backward: bool,
