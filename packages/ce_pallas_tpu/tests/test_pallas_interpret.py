@@ -17,6 +17,8 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 import ce_pallas_tpu
 from ce_core import BlockSizes, RowStats, StatsSpec, linear_cross_entropy
 from ce_core.extend import Case, compare_with_oracle, random_problem
+from ce_pallas_tpu import tile_stats
+from ce_pallas_tpu.tile_stats import OVERFLOW_SUM
 from ce_reference import row_stats as reference_row_stats
 
 
@@ -139,6 +141,45 @@ def test_streamed_forward_survives_logits_far_above_the_earlier_blocks(interpret
                 "expected": (probs * logits).sum(1)}
     for name, value in expected.items():
         np.testing.assert_allclose(getattr(ours, name), value, rtol=2e-5, atol=2e-5, err_msg=name)
+    assert not _races_found()
+
+
+@pytest.mark.parametrize("sums,redo", [
+    ([[1.0, 2.0], [3.0, OVERFLOW_SUM]], False),
+    ([[1.0, 2.0], [3.0, OVERFLOW_SUM * 1.01]], True),
+    ([[1.0, np.inf], [3.0, 4.0]], True),
+    ([[np.nan, np.inf], [3.0, 4.0]], True),  # a max that takes NaN over inf still asks for the redo
+    ([[np.inf, np.nan], [3.0, 4.0]], True),
+    ([[np.nan, 1.0], [3.0, 4.0]], True),  # a NaN row alone is redone too (its redo changes nothing)
+])
+def test_overflow_check(sums, redo):
+    assert bool(tile_stats.overflowed(jnp.asarray(sums, jnp.float32))) is redo
+
+
+@pytest.mark.parametrize("target", ["v6e", "v5p"])
+def test_a_nan_row_does_not_hide_an_overflowing_one(interpret, target):
+    """A streamed step is redone when its largest lane sum is not at most ``exp(30)``; a NaN sum fails
+    that compare too, so a NaN row in the token block still lets the step be redone for the rows
+    whose logits jumped 100 nats (e^100 overflows float32 if streamed). Only the NaN row is NaN."""
+    interpret(target)
+    vocab, spike = 1100, 600
+    x, labels, w = random_problem(23, (40,), 128, vocab, ignore_fraction=0.0)
+    x, w = x.copy(), w.copy()
+    x[:, 0] = 1.0
+    w[0, :] = 0.0
+    w[0, spike] = 100.0
+    x[5, 7] = np.nan  # one row of the first token block: every logit of it is NaN
+    spec = StatsSpec(with_expected=True, block_sizes=BlockSizes(32, None, 256))
+    ours = ce_pallas_tpu.make_backend().row_stats(jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels), spec)
+    finite = np.arange(40) != 5
+    logits = np.asarray(x, np.float64)[finite] @ np.asarray(w, np.float64)
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    expected = {"lse": lse, "label": logits[np.arange(39), labels[finite]],
+                "expected": (np.exp(logits - lse[:, None]) * logits).sum(1)}
+    for name, value in expected.items():
+        got = np.asarray(getattr(ours, name))
+        assert np.isnan(got[5]), name
+        np.testing.assert_allclose(got[finite], value, rtol=2e-5, atol=2e-5, err_msg=name)
     assert not _races_found()
 
 

@@ -99,7 +99,8 @@ def forward_bytes(shape: Shape, block_b: int, block_h: int, block_v: int, *, chi
         # Running max, sum, label (, logit sum, weighted sum) per row; logits summed over hidden blocks.
         total += (stats + 1) * _tile(block_b, 1, 4) + _tile(block_b, block_v, 4)
     else:
-        total += 2 * (stats + 1) * _tile(block_b, LANES, 4)  # two slots of the same per row and lane
+        # The same per row and lane, in two slots but the reference, which has one.
+        total += (2 * (stats + 1) - 1) * _tile(block_b, LANES, 4)
     work_tiles = chip.forward_work_tiles + shape.with_expected + 2 * shape.with_argmax
     total += int(work_tiles * _tile(block_b, columns, 4))
     total += FORWARD_ROW_TILES * _tile(block_b, LANES, 4)

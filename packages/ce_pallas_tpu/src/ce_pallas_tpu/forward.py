@@ -122,16 +122,25 @@ def _grid_step(cfg: ForwardConfig) -> _Step:
     return _Step(i, j, k, block, last_step, guarded, in_range)
 
 
+def _slot(ref, at: EllipsisType | jax.Array) -> EllipsisType | jax.Array:
+    """The index of slot ``at`` of a statistic's ref: the whole ref where it has no slots (the blocked
+    kernel's statistics, the streamed kernel's reference)."""
+    return ... if ref.ndim == 2 else at
+
+
 def _read_state(stat_refs, at: EllipsisType | jax.Array = ...) -> tile_stats.State:
-    r, sum_exp, label, total, weighted, top, top_index = (None if ref is None else ref[at] for ref in stat_refs)
+    r, sum_exp, label, total, weighted, top, top_index = (None if ref is None else ref[_slot(ref, at)]
+                                                          for ref in stat_refs)
     assert r is not None and sum_exp is not None and label is not None
     return r, sum_exp, label, total, weighted, top, top_index
 
 
-def _write_state(stat_refs, state: tile_stats.State, at: EllipsisType | jax.Array = ...) -> None:
-    for ref, value in zip(stat_refs, state, strict=True):
-        if ref is not None and value is not None:
-            ref[at] = value
+def _write_state(stat_refs, state: tile_stats.State, at: EllipsisType | jax.Array = ..., *,
+                 reference: bool = True) -> None:
+    """The statistics into their refs (slot ``at``); ``reference=False`` leaves the reference's ref as it is."""
+    for index, (ref, value) in enumerate(zip(stat_refs, state, strict=True)):
+        if ref is not None and value is not None and (reference or index > 0):
+            ref[_slot(ref, at)] = value
 
 
 def _initial_state(stat_refs) -> tile_stats.State:
@@ -180,7 +189,7 @@ def _split_row_scale(refs, cfg: ForwardConfig):
 def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     """Per-lane statistics (see the module docs), in two slots, so that a step reads the previous
     step's and writes its own before its overflow check is known, and a redo still finds the state
-    from before the step."""
+    from before the step; the reference has one, since only an exact step moves it."""
     s_ref, refs = _split_row_scale(refs, cfg)
     outs, stat_refs, (redo_ref,) = _split_refs(refs, cfg)
     step = _grid_step(cfg)
@@ -231,13 +240,13 @@ def _streamed_step(x_ref, w_ref, s_ref, gap, block_start, stat_refs, redo_ref, i
     for first in cfg.column_chunks:
         state = tile_stats.streamed_lane_update(_chunk(x_ref, w_ref, first, cfg), gap, state, cfg, first,
                                                 block_start + first, scale)
-    _write_state(stat_refs, state, current)
-    # Compared before reducing, so that NaN rows cannot hide an overflowing one; the garbage
-    # rows of a ragged token block are left out, so they never force a redo.
-    over = state[1] > tile_stats.OVERFLOW_SUM
+    # The reference has one slot: a streamed step leaves it as it is, so it is not written back.
+    _write_state(stat_refs, state, current, reference=False)
+    # The garbage rows of a ragged token block are left out, so they never force a redo.
+    sums = state[1]
     if cfg.n % cfg.block_b:
-        over = over & (jax.lax.broadcasted_iota(jnp.int32, over.shape, 0) < cfg.n - i * cfg.block_b)
-    redo_ref[0] = jnp.max(over.astype(jnp.int32))
+        sums = jnp.where(jax.lax.broadcasted_iota(jnp.int32, sums.shape, 0) < cfg.n - i * cfg.block_b, sums, 0.0)
+    redo_ref[0] = tile_stats.overflowed(sums).astype(jnp.int32)
 
 
 def _exact_step(x_ref, w_ref, y_ref, s_ref, gap, block_start, stat_refs, j, previous, current,
@@ -345,7 +354,10 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         scratch = [pltpu.VMEM((cfg.block_b, 1), dtype) for dtype in stat_dtypes]
         scratch.append(pltpu.VMEM((cfg.block_b, cfg.block_v), jnp.float32))  # logits summed over hidden blocks
     else:
-        scratch = [pltpu.VMEM((2, cfg.block_b, LANES), dtype) for dtype in stat_dtypes]
+        # Two slots each (the step's input and its output, so that a redo finds the input), but one for
+        # the reference, which only an exact step moves (and it reads it before writing it).
+        scratch = [pltpu.VMEM((cfg.block_b, LANES) if index == 0 else (2, cfg.block_b, LANES), dtype)
+                   for index, dtype in enumerate(stat_dtypes)]
         scratch.append(pltpu.SMEM((1,), jnp.int32))  # whether this step is taken exactly
     return pl.pallas_call(
         functools.partial(_blocked_kernel if cfg.nh > 1 else _streamed_kernel, cfg=cfg),

@@ -45,6 +45,16 @@ OVERFLOW_MARGIN = 30.0
 OVERFLOW_SUM = math.exp(OVERFLOW_MARGIN)
 
 
+def overflowed(sums: jax.Array) -> jax.Array:
+    """Whether a streamed step must be redone: some lane sum is not at most :data:`OVERFLOW_SUM`.
+
+    The largest sum, then one compare: the check is a streamed step's tail (it waits for the step's
+    last product), so it costs a max per vector register. A NaN sum fails the compare, whichever way
+    the max treats NaN, so a NaN row cannot hide an overflowing one (its own redo changes nothing).
+    """
+    return jnp.logical_not(jnp.max(sums) <= OVERFLOW_SUM)
+
+
 def logits(z_raw: jax.Array, cfg: KernelConfig, scale: jax.Array | None) -> jax.Array:
     """The final logits ``s * cap(raw)`` of a tile of raw products; ``scale`` is ``[b, 1]`` or None (1).
 
