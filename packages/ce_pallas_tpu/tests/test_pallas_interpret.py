@@ -151,9 +151,11 @@ def test_streamed_forward_survives_logits_far_above_the_earlier_blocks(interpret
     ([[np.nan, np.inf], [3.0, 4.0]], True),  # a max that takes NaN over inf still asks for the redo
     ([[np.inf, np.nan], [3.0, 4.0]], True),
     ([[np.nan, 1.0], [3.0, 4.0]], True),  # a NaN row alone is redone too (its redo changes nothing)
+    ([[-np.nan, np.inf], [3.0, 4.0]], True),  # NaN with its sign bit set (x86's default NaN)
 ])
-def test_overflow_check(sums, redo):
-    assert bool(tile_stats.overflowed(jnp.asarray(sums, jnp.float32))) is redo
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_overflow_check(sums, redo, interpreted):
+    assert bool(tile_stats.overflowed(jnp.asarray(sums, jnp.float32), interpreted=interpreted)) is redo
 
 
 @pytest.mark.parametrize("target", ["v6e", "v5p"])

@@ -246,7 +246,7 @@ def _streamed_step(x_ref, w_ref, s_ref, gap, block_start, stat_refs, redo_ref, i
     sums = state[1]
     if cfg.n % cfg.block_b:
         sums = jnp.where(jax.lax.broadcasted_iota(jnp.int32, sums.shape, 0) < cfg.n - i * cfg.block_b, sums, 0.0)
-    redo_ref[0] = tile_stats.overflowed(sums).astype(jnp.int32)
+    redo_ref[0] = tile_stats.overflowed(sums, interpreted=bool(cfg.interpret)).astype(jnp.int32)
 
 
 def _exact_step(x_ref, w_ref, y_ref, s_ref, gap, block_start, stat_refs, j, previous, current,
