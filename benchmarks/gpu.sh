@@ -12,7 +12,8 @@
 # for its own profiler). QUICK=1 runs the
 # same steps at toy sizes (to try the script on a CPU first); PY names the interpreter (python3); STEPS
 # names the steps to run (default: "heads rl oracle tests tokens"; "forward" times the `xla` forward
-# alone under larger statistics budgets, benchmarks/gpu_xla_tiles.py --forward).
+# alone under larger statistics budgets, benchmarks/gpu_xla_tiles.py --forward; "models" times reference
+# and xla at every model head of `--shapes models`, both objectives).
 set -u
 wheels=${1:?WHEEL_DIR}
 out=${2:?OUT_DIR}
@@ -47,9 +48,9 @@ else
 fi
 
 if [ "${QUICK:-0}" = 1 ]; then
-  big=tiny rl=tiny check=tiny tokens=(--tokens 512) quick=(--quick)
+  big=tiny rl=tiny check=tiny tokens=(--tokens 512) quick=(--quick) models="tiny 64x96x1000"
 else
-  big=llama3-8b,gemma3 rl=rl-qwen2.5-1.5b check=small tokens=(--tokens 32768) quick=()
+  big=llama3-8b,gemma3 rl=rl-qwen2.5-1.5b check=small tokens=(--tokens 32768) quick=() models=models@4k
 fi
 steps=" ${STEPS:-heads rl oracle tests tokens} "
 want() { [[ $steps == *" $1 "* ]]; }
@@ -76,6 +77,18 @@ if want forward; then
     >"$out/forward.md" 2>>"$out/log.txt"
   echo "== forward: exit $?" | tee -a "$out/log.txt"
   tee -a "$out/log.txt" <"$out/forward.md"
+fi
+# The model heads of issue 25's matrix (Llama-3, Qwen2.5, Qwen3, Gemma-2), the plain loss and the RL
+# objective, at MODELS (default: 4096 tokens; "models@4k models@16k" for both counts). On an H200 one
+# 4096-token head takes about 20 s for reference, xla and the floor at 3 repeats (compiles included), so
+# the eight heads take about 3 minutes per objective; 16384 tokens take longer: give them their own lease.
+if want models; then
+  for objective in mean rl; do
+    for half in ${MODELS:-$models}; do
+      bench "models-$objective-${half#models@}" 300 --backends reference,xla --shapes "$half" --dtype bfloat16 \
+        --objective "$objective" --repeats 3 --memory-shapes none
+    done
+  done
 fi
 want tokens && bench tokens 200 --backends reference,xla${backends#reference,xla} --shapes "${big%%,*}" "${tokens[@]}" \
   --dtype bfloat16 --repeats 5 --memory-shapes none

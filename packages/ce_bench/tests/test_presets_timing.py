@@ -35,6 +35,9 @@ def test_models_group_is_every_head_at_both_token_counts() -> None:
     assert by_name["qwen2.5-0.5b@4k"] == (4096, 896, 151936)
     assert by_name["gemma2-2b@4k"] == (4096, 2304, 256000)
     assert {h for _, _, h, _ in presets.SHAPE_GROUPS["models"]} >= {896, 1024, 1536, 2304, 3584, 4096, 8192}
+    halves = presets.parse_shapes("models@4k,models@16k", reduced_for_cpu=True)
+    assert sorted(s.name for s in halves) == sorted(by_name.keys() - {"tiny"})
+    assert {s.n for s in presets.parse_shapes("models@16k", reduced_for_cpu=False)} == {16384}
 
 
 @pytest.mark.parametrize("bad", ["nope", "0x4x4", "3x4"])

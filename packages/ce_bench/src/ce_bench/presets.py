@@ -68,9 +68,12 @@ MODEL_HEADS: tuple[tuple[str, int, int], ...] = (
 #: Tokens per device of the ``models`` group: a short and a long step.
 MODEL_TOKENS: tuple[int, ...] = (4096, 16384)
 #: Named lists of shapes for ``--shapes``: ``models`` is every head of :data:`MODEL_HEADS` at every
-#: token count of :data:`MODEL_TOKENS` (issue 25's matrix).
+#: token count of :data:`MODEL_TOKENS` (issue 25's matrix); ``models@4k``, ``models@16k`` each one count
+#: (to run the halves under separate time limits).
 SHAPE_GROUPS: dict[str, tuple[tuple[str, int, int, int], ...]] = {
     "models": tuple((f"{name}@{n // 1024}k", n, h, v) for name, h, v in MODEL_HEADS for n in MODEL_TOKENS),
+    **{f"models@{n // 1024}k": tuple((f"{name}@{n // 1024}k", n, h, v) for name, h, v in MODEL_HEADS)
+       for n in MODEL_TOKENS},
 }
 
 #: What ``ce-bench`` times with no ``--shapes`` (about half a minute on a 2-core CPU).

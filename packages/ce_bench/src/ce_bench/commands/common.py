@@ -74,8 +74,8 @@ def add_common(parser: argparse.ArgumentParser, *, default_dtype: str, default_s
                              "tokamax:xla, tokamax:chunked_xla, tokamax:mosaic_tpu when tokamax is installed; "
                              "'tokamax' expands to all three)")
     parser.add_argument("--shapes", default=None, metavar="S,T",
-                        help=f"comma-separated presets ({', '.join(presets.PRESETS)}) or NxHxV "
-                             f"(default: {','.join(default_shapes)})")
+                        help=f"comma-separated presets ({', '.join(presets.PRESETS)}), groups of model heads "
+                             f"({', '.join(presets.SHAPE_GROUPS)}) or NxHxV (default: {','.join(default_shapes)})")
     parser.add_argument("--tokens", type=positive_int, default=None, metavar="N", help="override N of every preset")
     parser.add_argument("--dtype", default=default_dtype, help=f"float32, bfloat16, float16; comma-separated "
                                                                f"for several (default: {default_dtype})")
