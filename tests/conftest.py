@@ -23,7 +23,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     pallas_tpu joins on CPU only with ``CE_PALLAS_TPU_INTERPRET=1``; its own package tests set that.
     A module that sets ``EIGHT_DEVICE_MESHES = True`` runs its ``backend_name`` tests on 8 simulated
     devices, where Pallas' race-checked TPU interpreter deadlocks in its cross-device barrier (and the
-    generic interpreter fails shard_map's varying-axes check): there interpreted pallas_tpu is left
+    generic interpreter is refused inside shard_map): there interpreted pallas_tpu is left
     out of ``backend_name``, and the module covers it with its own 4-device tests instead.
     """
     if "backend_name" in metafunc.fixturenames:

@@ -155,6 +155,34 @@ def test_pallas_tpu_in_interpret_mode_on_a_data_by_vocab_mesh(monkeypatch):
     compare_with_oracle("pallas_tpu", SHARDED_CASES[-1], x, labels, w, loss_fn=loss_fn)
 
 
+def test_the_generic_interpreter_is_refused_by_name_on_a_shard(monkeypatch):
+    """Pallas' generic interpreter indexes per-device blocks with replicated values, which
+    shard_map's varying-axes check refuses deep inside JAX (``dynamic_slice requires varying manual
+    axes to match``); pallas_tpu refuses it first, naming the setting and the one that works, in
+    ce_core's shard_map (before tracing) and in the caller's own (at trace time)."""
+    from ce_core import UnsupportedError
+
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "plain")
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    mesh = make_mesh(2, 2)
+    x, labels, w = random_problem(11, (2, 9), 48, 328)
+    with pytest.raises(UnsupportedError, match=r"CE_PALLAS_TPU_INTERPRET=plain cannot run inside shard_map.*=1"):
+        sharded_linear_cross_entropy(x, labels, w, mesh=mesh, vocab_axis="vocab", implementation="pallas_tpu")
+
+    def per_device(x_, labels_, w_):
+        return linear_cross_entropy(x_, labels_, w_, reduction="sum", implementation="pallas_tpu")[None]
+
+    users = jax.shard_map(per_device, mesh=mesh, in_specs=(PartitionSpec("data"), PartitionSpec("data"),
+                                                            PartitionSpec()), out_specs=PartitionSpec("data"))
+    with pytest.raises(UnsupportedError, match="CE_PALLAS_TPU_INTERPRET=plain cannot run inside shard_map"):
+        users(x, labels, w)
+    # The same calls run with the TPU interpreter.
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
+    total = float(users(x, labels, w).sum())
+    expected = float(linear_cross_entropy(x, labels, w, reduction="sum", implementation="reference"))
+    assert abs(total - expected) <= 1e-5 * abs(expected)
+
+
 @pytest.mark.slow
 def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
     from ce_pallas_tpu.tooling.aot import topology_devices

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from ce_core import Backend, Problem, RowStats, StatsSpec, TileReport, UnsupportedError
 from ce_pallas_tpu import ops, target
+from ce_pallas_tpu.common import PLAIN_INTERPRETER_UNDER_SHARD_MAP
 
 #: Input dtypes the kernels take (the MXU has no float16 path on v4/v5).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -39,6 +40,8 @@ class PallasTpuBackend(Backend):
             current = target.current_target()
         except RuntimeError as error:
             raise UnsupportedError(f"pallas_tpu: {error}") from None
+        if problem.placement == "shard_map" and current.interpret == "plain":
+            raise UnsupportedError(PLAIN_INTERPRETER_UNDER_SHARD_MAP)
         # Resolving the plan validates explicit block sizes (ValueError) and raises
         # UnsupportedError when no tiles fit this generation's VMEM.
         if problem.n > 0:

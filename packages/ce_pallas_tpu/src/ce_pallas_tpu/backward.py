@@ -53,7 +53,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ce_core.extend import vary, varying_axes_of
 from ce_pallas_tpu import common
 from ce_pallas_tpu.layout import LANES
 
@@ -383,8 +382,7 @@ def backward_call(
     """
     in_specs, operands = _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_expected,
                                  cfg)
-    axes = varying_axes_of(*operands)
-    operands = [vary(value, axes) for value in operands]
+    axes, operands = common.per_device_operands(operands, cfg.interpret)
     out_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2  # dw and the dx partials, in HBM (manual DMAs)
     out_shape = [
         common.out_type(w.shape, w.dtype, axes),

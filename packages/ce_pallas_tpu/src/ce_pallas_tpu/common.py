@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ce_core import BlockSizes
+from ce_core import BlockSizes, UnsupportedError
+from ce_core.extend import vary, varying_axes_of
 from ce_pallas_tpu.layout import LANES
 
 
@@ -130,6 +131,26 @@ def zero_hidden_tail(x_ref, w_ref, hidden: int, hp: int) -> None:
         tail = pl.ds(w_ref.shape[0] - LANES, LANES)
         rows = jax.lax.broadcasted_iota(jnp.int32, (LANES, w_ref.shape[1]), 0)
         w_ref[tail, :] = jnp.where(rows < valid, w_ref[tail, :], jnp.zeros((), w_ref.dtype))
+
+
+#: Why the generic interpreter cannot run on a shard, for the errors that refuse it.
+PLAIN_INTERPRETER_UNDER_SHARD_MAP = (
+    "pallas_tpu: CE_PALLAS_TPU_INTERPRET=plain cannot run inside shard_map (Pallas' generic interpreter "
+    "indexes per-device blocks with replicated values, which shard_map's varying-axes check refuses); "
+    "use CE_PALLAS_TPU_INTERPRET=1 (the TPU interpreter) for sharded calls"
+)
+
+
+def per_device_operands(operands: list, interpret) -> tuple[frozenset, list]:
+    """The operands made to vary over the manual axes any of them varies over, and those axes.
+
+    Raises:
+      UnsupportedError: the generic interpreter (``interpret is True``) inside a ``shard_map``.
+    """
+    axes = varying_axes_of(*operands)
+    if axes and interpret is True:
+        raise UnsupportedError(PLAIN_INTERPRETER_UNDER_SHARD_MAP)
+    return axes, [vary(value, axes) for value in operands]
 
 
 def out_type(shape: tuple[int, ...], dtype, axes: frozenset) -> jax.ShapeDtypeStruct:

@@ -58,7 +58,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ce_core.extend import vary, varying_axes_of
 from ce_pallas_tpu import common, tile_stats
 from ce_pallas_tpu.layout import LANES, forward_column_chunk
 
@@ -342,8 +341,7 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         inputs.append(row_scale)
     num_out = cfg.n_stats
     stat_spec = pl.BlockSpec((pl.squeezed, cfg.block_b, 1), lambda c, i, j, k: (c, i, 0))
-    axes = varying_axes_of(*inputs)
-    inputs = [vary(value, axes) for value in inputs]
+    axes, inputs = common.per_device_operands(inputs, cfg.interpret)
     # The last statistic is the argmax, the only integer one.
     out_dtypes = [jnp.float32] * (num_out - 1) + [jnp.int32 if cfg.with_argmax else jnp.float32]
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), dtype, axes) for dtype in out_dtypes]

@@ -14,9 +14,10 @@ ahead-of-time compile) can set the environment after importing the package:
     ``1`` runs the real kernels in Pallas' TPU interpret mode on any backend, with race detection,
     out-of-bounds reads raising, and as many simulated cores as the target has (the target defaults
     to v5p there, so the two-core split is exercised). ``plain`` runs them in Pallas' generic
-    interpreter instead (``interpret=True``: no race detection, the grid run in order), the one that
-    works under automatic sharding: the TPU interpreter orders its steps with host callbacks, which
-    ``custom_partitioning``'s per-device lowering cannot hold.
+    interpreter instead (``interpret=True``: no race detection, the grid run in order), which has no
+    side effects and so runs inside ``jax.checkpoint``; it cannot run inside ``shard_map`` (it indexes
+    per-device blocks with replicated values, which the varying-axes check refuses), so the backend
+    refuses it there with ``UnsupportedError``.
 
 Without either, the target is the device of the active abstract mesh when that is a TPU (inside
 ``jax.sharding.use_abstract_mesh`` over a deviceless topology's device, or a ``shard_map`` over TPU
