@@ -195,8 +195,13 @@ def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     if cfg.hidden != cfg.hp:
         _zero_hidden_tail(x_ref, w_ref, cfg)
     block_start = step.block * cfg.block_v
-    gap = (jnp.broadcast_to(y_ref[...] - block_start, (cfg.block_b, LANES))
-           - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
+
+    def label_gap() -> jax.Array:
+        # Built inside each branch, not before them: a branch is its own basic block, and only there
+        # can libtpu's scheduler overlap these per-row broadcasts with the step's matmul (v6e,
+        # 1024/all/2048: 4% of a step when they came first, docs/benchmarks.md).
+        return (jnp.broadcast_to(y_ref[...] - block_start, (cfg.block_b, LANES))
+                - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
     previous, current = (step.j + 1) % 2, step.j % 2
 
     # Taken exactly: the first block of a row (no reference yet) and a ragged last block.
@@ -207,10 +212,10 @@ def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
 
     if cfg.block_v % LANES == 0:  # else the block is the row's only one (block_v == V), always taken exactly
         pl.when(step.in_range & jnp.logical_not(exact))(
-            lambda: _streamed_step(x_ref, w_ref, s_ref, gap, block_start, stat_refs, redo_ref, step.i, previous,
+            lambda: _streamed_step(x_ref, w_ref, s_ref, label_gap, block_start, stat_refs, redo_ref, step.i, previous,
                                    current, cfg))
     pl.when(step.in_range & (redo_ref[0] != 0))(
-        lambda: _exact_step(x_ref, w_ref, y_ref, s_ref, gap, block_start, stat_refs, step.j, previous, current,
+        lambda: _exact_step(x_ref, w_ref, y_ref, s_ref, label_gap, block_start, stat_refs, step.j, previous, current,
                             cfg))
     pl.when(step.last_step)(lambda: _finish_streamed(outs, stat_refs, step, previous, current))
 
@@ -231,11 +236,12 @@ def _row_scale(s_ref) -> jax.Array | None:
     return None if s_ref is None else s_ref[...]
 
 
-def _streamed_step(x_ref, w_ref, s_ref, gap, block_start, stat_refs, redo_ref, i, previous, current,
+def _streamed_step(x_ref, w_ref, s_ref, label_gap, block_start, stat_refs, redo_ref, i, previous, current,
                    cfg: ForwardConfig) -> None:
     """The block's exps against each lane's reference as it stands; asks for a redo on overflow."""
     state = _read_state(stat_refs, previous)
     scale = _row_scale(s_ref)
+    gap = label_gap()
     for first in cfg.column_chunks:
         state = tile_stats.streamed_lane_update(_chunk(x_ref, w_ref, first, cfg), gap, state, cfg, first,
                                                 block_start + first, scale)
@@ -248,12 +254,13 @@ def _streamed_step(x_ref, w_ref, s_ref, gap, block_start, stat_refs, redo_ref, i
     redo_ref[0] = tile_stats.overflowed(sums, interpreted=bool(cfg.interpret)).astype(jnp.int32)
 
 
-def _exact_step(x_ref, w_ref, y_ref, s_ref, gap, block_start, stat_refs, j, previous, current,
+def _exact_step(x_ref, w_ref, y_ref, s_ref, label_gap, block_start, stat_refs, j, previous, current,
                 cfg: ForwardConfig) -> None:
     """The block taken exactly: each lane's reference moved up to its maximum first."""
     fresh = _initial_state(stat_refs)
     state = fresh if cfg.nv_per_core == 1 else tile_stats.select(j == 0, fresh, _read_state(stat_refs, previous))
     scale = _row_scale(s_ref)
+    gap = label_gap()
     for first in cfg.column_chunks:
         state = tile_stats.exact_lane_update(_chunk(x_ref, w_ref, first, cfg), block_start + first, y_ref[...],
                                              gap, state, cfg, first, scale)
