@@ -196,11 +196,16 @@ def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
         _zero_hidden_tail(x_ref, w_ref, cfg)
     block_start = step.block * cfg.block_v
 
+    # The labels are read here, before the branches: read first inside them, libtpu's TPU7x profiler
+    # aborts on the program ("No DMA issue node found for sync flag"), as if the block's DMA wait had
+    # moved into a branch that a step may skip or take twice. The gap itself is built inside each
+    # branch: a branch is its own basic block, and only there can libtpu's scheduler overlap these
+    # per-row broadcasts with the step's matmul (v6e, 1024/all/2048: 3.7% of a step when they came
+    # first, docs/benchmarks.md).
+    labels = y_ref[...]
+
     def label_gap() -> jax.Array:
-        # Built inside each branch, not before them: a branch is its own basic block, and only there
-        # can libtpu's scheduler overlap these per-row broadcasts with the step's matmul (v6e,
-        # 1024/all/2048: 4% of a step when they came first, docs/benchmarks.md).
-        return (jnp.broadcast_to(y_ref[...] - block_start, (cfg.block_b, LANES))
+        return (jnp.broadcast_to(labels - block_start, (cfg.block_b, LANES))
                 - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
     previous, current = (step.j + 1) % 2, step.j % 2
 
