@@ -66,6 +66,14 @@ def per_step(totals: dict[int, float], token_blocks: int) -> float:
 # The stripped-down steps (traced inside the worker process).
 
 
+def _zero_state(state_refs) -> None:
+    """A token block's statistics before its first vocab block."""
+    import jax.numpy as jnp
+
+    for ref in state_refs:
+        ref[...] = jnp.zeros_like(ref)
+
+
 def _lanes_kernel(x_ref, w_ref, y_ref, lse_ref, label_out, expected_out, r_ref, s_ref, label_ref, weighted_ref,
                   flag_ref, *, block_v: int, rl: bool, row_chunk: int):
     import jax
@@ -74,11 +82,7 @@ def _lanes_kernel(x_ref, w_ref, y_ref, lse_ref, label_out, expected_out, r_ref, 
 
     j = pl.program_id(1)
     state_refs = (r_ref, s_ref, label_ref, weighted_ref)
-
-    @pl.when(j == 0)
-    def _():
-        for ref in state_refs:
-            ref[...] = jnp.zeros_like(ref)
+    pl.when(j == 0)(functools.partial(_zero_state, state_refs))
 
     largest = jnp.float32(0.0)  # the sums are positive
     for start in range(0, x_ref.shape[0], row_chunk):
@@ -113,11 +117,7 @@ def _tokens_on_lanes_kernel(xt_ref, w_ref, y_ref, lse_ref, label_out, expected_o
 
     j = pl.program_id(1)
     state_refs = (r_ref, s_ref, label_ref, weighted_ref)
-
-    @pl.when(j == 0)
-    def _():
-        for ref in state_refs:
-            ref[...] = jnp.zeros_like(ref)
+    pl.when(j == 0)(functools.partial(_zero_state, state_refs))
 
     z = jnp.dot(w_ref[...], xt_ref[...], preferred_element_type=jnp.float32)  # [bv, b]
     b = z.shape[1]
