@@ -198,15 +198,9 @@ def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
 
     # The labels are read here, before the branches: read first inside them, libtpu's TPU7x profiler
     # aborts on the program ("No DMA issue node found for sync flag"), as if the block's DMA wait had
-    # moved into a branch that a step may skip or take twice. The gap itself is built inside each
-    # branch: a branch is its own basic block, and only there can libtpu's scheduler overlap these
-    # per-row broadcasts with the step's matmul (v6e, 1024/all/2048: 3.7% of a step when they came
-    # first, docs/benchmarks.md).
+    # moved into a branch that a step may skip or take twice. Their gap is built in each branch
+    # (:func:`_label_gap`).
     labels = y_ref[...]
-
-    def label_gap() -> jax.Array:
-        return (jnp.broadcast_to(labels - block_start, (cfg.block_b, LANES))
-                - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
     previous, current = (step.j + 1) % 2, step.j % 2
 
     # Taken exactly: the first block of a row (no reference yet) and a ragged last block.
@@ -217,10 +211,10 @@ def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
 
     if cfg.block_v % LANES == 0:  # else the block is the row's only one (block_v == V), always taken exactly
         pl.when(step.in_range & jnp.logical_not(exact))(
-            lambda: _streamed_step(x_ref, w_ref, s_ref, label_gap, block_start, stat_refs, redo_ref, step.i, previous,
+            lambda: _streamed_step(x_ref, w_ref, s_ref, labels, block_start, stat_refs, redo_ref, step.i, previous,
                                    current, cfg))
     pl.when(step.in_range & (redo_ref[0] != 0))(
-        lambda: _exact_step(x_ref, w_ref, y_ref, s_ref, label_gap, block_start, stat_refs, step.j, previous, current,
+        lambda: _exact_step(x_ref, w_ref, labels, s_ref, block_start, stat_refs, step.j, previous, current,
                             cfg))
     pl.when(step.last_step)(lambda: _finish_streamed(outs, stat_refs, step, previous, current))
 
@@ -241,12 +235,23 @@ def _row_scale(s_ref) -> jax.Array | None:
     return None if s_ref is None else s_ref[...]
 
 
-def _streamed_step(x_ref, w_ref, s_ref, label_gap, block_start, stat_refs, redo_ref, i, previous, current,
+def _label_gap(labels: jax.Array, block_start, cfg: ForwardConfig) -> jax.Array:
+    """``label - block_start - lane``, ``[b, 128]``: where each row's label falls in a column group.
+
+    Built inside each step's branch, not before the branches: a branch is its own basic block, and
+    only there can libtpu's scheduler overlap these per-row broadcasts with the step's matmul (v6e,
+    1024/all/2048: 3.7% of a step when they came first, docs/benchmarks.md).
+    """
+    return (jnp.broadcast_to(labels - block_start, (cfg.block_b, LANES))
+            - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
+
+
+def _streamed_step(x_ref, w_ref, s_ref, labels, block_start, stat_refs, redo_ref, i, previous, current,
                    cfg: ForwardConfig) -> None:
     """The block's exps against each lane's reference as it stands; asks for a redo on overflow."""
     state = _read_state(stat_refs, previous)
     scale = _row_scale(s_ref)
-    gap = label_gap()
+    gap = _label_gap(labels, block_start, cfg)
     for first in cfg.column_chunks:
         state = tile_stats.streamed_lane_update(_chunk(x_ref, w_ref, first, cfg), gap, state, cfg, first,
                                                 block_start + first, scale)
@@ -259,15 +264,15 @@ def _streamed_step(x_ref, w_ref, s_ref, label_gap, block_start, stat_refs, redo_
     redo_ref[0] = tile_stats.overflowed(sums, interpreted=bool(cfg.interpret)).astype(jnp.int32)
 
 
-def _exact_step(x_ref, w_ref, y_ref, s_ref, label_gap, block_start, stat_refs, j, previous, current,
+def _exact_step(x_ref, w_ref, labels, s_ref, block_start, stat_refs, j, previous, current,
                 cfg: ForwardConfig) -> None:
     """The block taken exactly: each lane's reference moved up to its maximum first."""
     fresh = _initial_state(stat_refs)
     state = fresh if cfg.nv_per_core == 1 else tile_stats.select(j == 0, fresh, _read_state(stat_refs, previous))
     scale = _row_scale(s_ref)
-    gap = label_gap()
+    gap = _label_gap(labels, block_start, cfg)
     for first in cfg.column_chunks:
-        state = tile_stats.exact_lane_update(_chunk(x_ref, w_ref, first, cfg), block_start + first, y_ref[...],
+        state = tile_stats.exact_lane_update(_chunk(x_ref, w_ref, first, cfg), block_start + first, labels,
                                              gap, state, cfg, first, scale)
     _write_state(stat_refs, state, current)
 
