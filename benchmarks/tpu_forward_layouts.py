@@ -5,10 +5,12 @@ Each variant is one Pallas kernel that takes a ``[b, bv]`` logit tile per grid s
 the online statistics (the sum of exps against a reference, the label logit, and with ``--objective
 rl`` the weighted sum of the entropy's expected logit):
 
-- ``kernel``: ce_pallas_tpu's own streamed forward at tiles ``b/all/bv``.
+- ``kernel``: ce_pallas_tpu's own streamed forward at tiles ``b/all/bv``, the head ``[H, V]`` or with
+  ``--w-layout vh`` ``[V, H]`` (whose streamed kernel leaves the label logit to the wrapper).
 - ``lanes``: the same per-lane statistics (``[b, 128]`` state in VMEM, 128 columns folded at a time)
   and nothing else: no redo, no second state slot, no exact first step. ``--row-chunk R`` takes
-  ``x``'s rows ``R`` at a time through the whole ``w`` tile, so a row's state could stay in registers.
+  ``x``'s rows ``R`` at a time through the whole ``w`` tile, so a row's state could stay in registers;
+  ``--without-label`` leaves the label pick out.
 - ``tokens-on-lanes``: the logits transposed (``w [V, H] @ x^T [H, N]``, tokens on lanes), so a token's
   state is one column of an ``[8, b]`` tile and 8 vocab rows are folded at a time.
 
@@ -75,7 +77,7 @@ def _zero_state(state_refs) -> None:
 
 
 def _lanes_kernel(x_ref, w_ref, y_ref, lse_ref, label_out, expected_out, r_ref, s_ref, label_ref, weighted_ref,
-                  flag_ref, *, block_v: int, rl: bool, row_chunk: int):
+                  flag_ref, *, block_v: int, rl: bool, row_chunk: int, label_pick: bool = True):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -95,7 +97,8 @@ def _lanes_kernel(x_ref, w_ref, y_ref, lse_ref, label_out, expected_out, r_ref, 
             zg = z[:, g:g + LANES]
             e = jnp.exp(zg - r)
             s = s + e
-            label = jnp.where(gap == g, zg, label)
+            if label_pick:
+                label = jnp.where(gap == g, zg, label)
             if rl:
                 weighted = weighted + e * zg
         s_ref[rows, :], label_ref[rows, :], weighted_ref[rows, :] = s, label, weighted
@@ -150,7 +153,8 @@ def _stripped_call(variant: str, n: int, h: int, v: int, args: argparse.Namespac
 
     b, bv, rl = args.tokens, args.vocab, args.objective == "rl"
     if variant == "lanes":
-        kernel = functools.partial(_lanes_kernel, block_v=bv, rl=rl, row_chunk=args.row_chunk or b)
+        kernel = functools.partial(_lanes_kernel, block_v=bv, rl=rl, row_chunk=args.row_chunk or b,
+                                   label_pick=not args.without_label)
         specs = [pl.BlockSpec((b, h), lambda i, j: (i, 0)), pl.BlockSpec((h, bv), lambda i, j: (0, j)),
                  pl.BlockSpec((b, 1), lambda i, j: (i, 0))]
         row, row_shape, state = pl.BlockSpec((b, 1), lambda i, j: (i, 0)), (n, 1), (b, LANES)
@@ -181,7 +185,7 @@ def _compile(variant: str, vocab_blocks: int, args: argparse.Namespace, device: 
 
     n, v, sharding = 2 * args.tokens, vocab_blocks * args.vocab, jax.sharding.SingleDeviceSharding(device)
     if variant == "kernel":
-        spec = StatsSpec(with_expected=args.objective == "rl")
+        spec = StatsSpec(with_expected=args.objective == "rl", w_layout=args.w_layout)
         cfg = kernel_config("forward", n, args.hidden, v, "bfloat16", "bfloat16", spec, (args.tokens, None, args.vocab))
         fn, operands = kernel_program("forward", cfg, "bfloat16", "bfloat16", sharding)
         jax.jit(fn).lower(*operands).compile()
@@ -213,6 +217,8 @@ def _worker(variant: str, args: argparse.Namespace) -> None:
         "variant": variant, "cycles": per_step(cycles, 2),
         "mxu": mxu_cycles(args.target, "forward", args.tokens, hp, args.vocab),
         "ops": {op: per_step({k: float(c[op]) for k, c in ops.items()}, 2) / registers for op in SHOWN_OPS},
+        "all_ops": {op: per_step({k: float(c[op]) for k, c in ops.items()}, 2) / registers
+                    for op in set(ops[2]) | set(ops[3])},
     }))
 
 
@@ -238,6 +244,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=1024, help="H, whole in every step")
     parser.add_argument("--objective", choices=("loss", "rl"), default="loss")
     parser.add_argument("--row-chunk", type=int, default=None, help="lanes: x's rows per product (default: b)")
+    parser.add_argument("--without-label", action="store_true",
+                        help="lanes: no label pick (the label logit taken outside the kernel)")
+    parser.add_argument("--w-layout", choices=("hv", "vh"), default="hv", help="kernel: the head's layout")
+    parser.add_argument("--all-ops", action="store_true", help="also print every op's count per register")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -258,12 +268,17 @@ def main(argv: list[str]) -> int:
         _worker(args.worker, args)
         return 0
     print(f"{args.target}, {args.objective}, tiles {args.tokens}/all/{args.vocab}, H={args.hidden}"
-          + (f", row chunk {args.row_chunk}" if args.row_chunk else ""))
+          + (f", row chunk {args.row_chunk}" if args.row_chunk else "")
+          + (", kernel's head [V, H]" if args.w_layout == "vh" else "")
+          + (", lanes without the label pick" if args.without_label else ""))
     print("| variant | cycles/step | MXU min | ratio | " + " | ".join(SHOWN_OPS) + " |")
     print("|---|---:|---:|---:|" + "---:|" * len(SHOWN_OPS))
     for variant in args.variants.split(","):
         row = _run_variant(variant, argv)
         ops = " | ".join(f"{row['ops'][op]:.2f}" for op in SHOWN_OPS)
+        if args.all_ops:
+            counts = sorted(((c, op) for op, c in row["all_ops"].items() if abs(c) >= 0.01), reverse=True)
+            print(f"{variant}, every op per register: " + ", ".join(f"{op} {c:.2f}" for c, op in counts))
         print(f"| {variant} | {row['cycles']:.0f} | {row['mxu']:.0f} | {row['cycles'] / row['mxu']:.3f} | {ops} |",
               flush=True)
     return 0

@@ -39,3 +39,23 @@ def test_each_variant_compiles_for_v6e_and_reads_back_its_schedule():
         assert cycles > mxu == 128  # 256 rows through one 256x256 weight tile per 256 columns, 2 MXUs x 2 rows
         assert ratio == pytest.approx(cycles / mxu, abs=1e-3)
         assert float(cells[4]) > 0  # vector loads per logit register
+
+
+def _vector_loads(argv: list[str]) -> dict[str, float]:
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tokens", "256", "--vocab", "512", "--hidden", "256",
+                           "--objective", "rl", *argv], env=env, check=True, capture_output=True, text=True,
+                          timeout=600)
+    rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): float(cells[4]) for cells in rows[1:]}
+
+
+@pytest.mark.slow
+def test_a_vh_kernel_and_lanes_without_the_label_pick_load_less():
+    """The streamed kernel with a ``[V, H]`` head leaves the label pick to the wrapper: it loads less per
+    logit register than with ``[H, V]``, as the stripped-down step does without its pick."""
+    with_pick = _vector_loads(["--variants", "kernel,lanes"])
+    without = _vector_loads(["--variants", "kernel,lanes", "--w-layout", "vh", "--without-label"])
+    for variant in ("kernel", "lanes"):
+        assert without[variant] < with_pick[variant] - 0.5, (variant, with_pick, without)
+

@@ -10,6 +10,7 @@ different blocks and in different cores' halves, also in a ragged last block.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -20,7 +21,9 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 from ce_core import BlockSizes, StatsSpec
 from ce_core.extend import random_problem, stats_oracle
-from ce_pallas_tpu import ops
+from ce_pallas_tpu import forward, ops
+from ce_pallas_tpu.forward import forward_call, label_logits
+from ce_pallas_tpu.target import Target
 
 N, H, V = 77, 200, 700  # ragged against blocks of 32 tokens and 128/256 columns; H pads to 256
 
@@ -219,6 +222,58 @@ def test_row_scale_must_match_the_spec(interpret):
         ops.row_stats(jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels), StatsSpec(with_row_scale=True))
     with pytest.raises(ValueError, match="row_scale"):
         ops.row_stats(jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels), StatsSpec(), row_scale=jnp.ones(8))
+
+
+@pytest.mark.parametrize("layout,blocks,in_kernel", [("hv", STREAMED, True), ("hv", BLOCKED, True),
+                                                     ("vh", STREAMED, False), ("vh", BLOCKED, True)],
+                         ids=["hv-streamed", "hv-blocked", "vh-streamed", "vh-blocked"])
+def test_only_a_streamed_vh_kernel_leaves_the_label_logit_to_the_wrapper(interpret, layout, blocks, in_kernel):
+    """The streamed kernel with a ``[V, H]`` head takes no labels and gives no label logit: the labels
+    given to it change nothing, and it gives one statistic fewer than the others."""
+    interpret("v5e")
+    spec = StatsSpec(with_expected=True, block_sizes=blocks, w_layout=layout)
+    x, w, labels, _ = _problem(31, "float32", layout, False)
+    cfg = ops.make_plan(N, H, V, x.dtype, w.dtype, spec).forward
+    assert cfg.label_in_kernel == in_kernel
+    y = jnp.asarray(labels, jnp.int32).reshape(-1, 1)
+    outputs = forward_call(jnp.asarray(x), jnp.asarray(w), y, cfg)
+    assert len(outputs) == cfg.n_stats == 2 + in_kernel  # lse[, label], expected
+    if not in_kernel:
+        shifted = forward_call(jnp.asarray(x), jnp.asarray(w), (y + 1) % V, cfg)
+        for ours, other in zip(outputs, shifted, strict=True):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(other))
+
+
+@pytest.mark.parametrize("x_dtype,precision,chunk", [("float32", "default", None), ("float32", "highest", 16),
+                                                     ("bfloat16", "default", 24)])
+def test_label_logits_round_the_operands_as_the_kernel_does(monkeypatch, x_dtype, precision, chunk):
+    """:func:`label_logits` against the float64 oracle of the operands as the MXU takes them: rounded to
+    bf16 at the default precision, whole at ``highest``; capped, scaled, and 0 for another shard's labels;
+    in one piece, or in chunks of ``chunk`` tokens (77 is not a multiple of either)."""
+    if chunk is not None:
+        monkeypatch.setattr(forward, "LABEL_ROWS_BYTES", chunk * H * 4)
+    rng = np.random.default_rng(32)
+    x = rng.normal(size=(N, H)).astype(np.float32)
+    w = (rng.normal(size=(V, H)) / np.sqrt(H)).astype(np.float32)
+    labels = rng.integers(0, V, N).astype(np.int32)
+    labels[:4] = [-1, V, V + 300, -100]
+    scale = rng.uniform(0.5, 2.0, N).astype(np.float32)
+    cap = 3.0
+    spec = StatsSpec(w_layout="vh", logit_soft_cap=cap, precision=precision, with_row_scale=True)
+    cfg = ops.make_plan(N, H, V, jnp.dtype(x_dtype), jnp.dtype(jnp.float32), spec, Target("v5e", 1, None)).forward
+    ours = label_logits(jnp.asarray(x, x_dtype), jnp.asarray(w), jnp.asarray(labels).reshape(-1, 1), cfg,
+                        jnp.asarray(scale).reshape(-1, 1))
+
+    def as_taken(a: np.ndarray) -> np.ndarray:
+        return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) if precision == "default" else a.astype(np.float64)
+
+    hit = (labels >= 0) & (labels < V)
+    raw = np.einsum("nh,nh->n", as_taken(np.asarray(jnp.asarray(x, x_dtype), np.float32)),
+                    as_taken(w[np.where(hit, labels, 0)]))
+    expected = np.where(hit, cap * np.tanh(raw / cap) * scale, 0.0)
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="w_layout='hv'"):
+        label_logits(jnp.asarray(x), jnp.asarray(w.T), jnp.asarray(labels), dataclasses.replace(cfg, w_layout="hv"))
 
 
 def _vh_head_copies(hlo: str, v: int, h: int) -> list[str]:

@@ -41,12 +41,6 @@ class KernelConfig:
         return BlockSizes(self.block_b, self.block_h, self.block_v)
 
     @property
-    def n_stats(self) -> int:
-        """Statistics per row: lse and label logit, then the logit sum, the expected logit, and the max
-        logit with its index, if asked."""
-        return 2 + self.with_sum + self.with_expected + 2 * self.with_argmax
-
-    @property
     def nb(self) -> int:
         return pl.cdiv(self.n, self.block_b)
 

@@ -27,7 +27,10 @@ logits of order 1 to 10 only the first block of each row is redone. On TPUs with
 The lanes are reduced to rows once, at the last step.
 
 The soft cap is applied in the kernel; the label logit is picked by comparing a column iota with
-the label (no ``one_hot``, no gather: both fail to lower on v4); vocab columns past ``V`` in a
+the label (no ``one_hot``, no gather: both fail to lower on v4), except in the streamed kernel with a
+``[V, H]`` head, which takes no labels: there the wrapper gathers one row of ``w`` per token
+(:func:`label_logits`, a row gather XLA runs beside the kernel; ``ForwardConfig.label_in_kernel``
+says which, and why a ``[H, V]`` head keeps the pick); vocab columns past ``V`` in a
 ragged last block hold garbage and are masked to ``-inf`` (to 0 in the sum). Rows past ``N`` in a
 ragged last token block produce garbage that Pallas never writes back. When ``H`` is not a
 multiple of 128 the blocks span its round-up ``Hp`` and the garbage past ``H`` is zeroed in both
@@ -59,7 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ce_pallas_tpu import common, tile_stats
-from ce_pallas_tpu.layout import LANES, forward_column_chunk
+from ce_pallas_tpu.layout import LANES, SUBLANES, forward_column_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,22 @@ class ForwardConfig(common.KernelConfig):
     """
 
     mxu_side: int = 128
+
+    @property
+    def label_in_kernel(self) -> bool:
+        """Whether the kernel picks each row's label logit. With a ``[V, H]`` head and the hidden
+        dimension whole, the wrapper takes it instead (:func:`label_logits`: one row of ``w`` per
+        token), and a streamed step saves a compare, a select, and the label state's load and store per
+        logit register (v6e, Qwen3-0.6B's RL forward: 1.211 -> 1.065 of the MXU minimum,
+        docs/benchmarks.md). A ``[H, V]`` head's label column would be a strided gather, for which XLA
+        copies all of ``w``."""
+        return self.w_layout == "hv" or self.nh > 1
+
+    @property
+    def n_stats(self) -> int:
+        """Statistics per row the kernel gives: lse, the label logit (when :attr:`label_in_kernel`),
+        then the logit sum, the expected logit, and the max logit with its index, if asked."""
+        return 1 + self.label_in_kernel + self.with_sum + self.with_expected + 2 * self.with_argmax
 
     @property
     def column_chunk(self) -> int | None:
@@ -93,9 +112,9 @@ def _split_refs(refs, cfg: ForwardConfig):
     def take(refs_left: list, present: bool):
         return refs_left.pop(0) if present else None
 
-    outs = (out_refs.pop(0), out_refs.pop(0), take(out_refs, cfg.with_sum), take(out_refs, cfg.with_expected),
-            take(out_refs, cfg.with_argmax), take(out_refs, cfg.with_argmax))
-    stats = (stat_refs.pop(0), stat_refs.pop(0), stat_refs.pop(0), take(stat_refs, cfg.with_sum),
+    outs = (out_refs.pop(0), take(out_refs, cfg.label_in_kernel), take(out_refs, cfg.with_sum),
+            take(out_refs, cfg.with_expected), take(out_refs, cfg.with_argmax), take(out_refs, cfg.with_argmax))
+    stats = (stat_refs.pop(0), stat_refs.pop(0), take(stat_refs, cfg.label_in_kernel), take(stat_refs, cfg.with_sum),
              take(stat_refs, cfg.with_expected), take(stat_refs, cfg.with_argmax), take(stat_refs, cfg.with_argmax))
     return outs, stats, scratch[cfg.n_stats + 1 :]
 
@@ -130,7 +149,7 @@ def _slot(ref, at: EllipsisType | jax.Array) -> EllipsisType | jax.Array:
 def _read_state(stat_refs, at: EllipsisType | jax.Array = ...) -> tile_stats.State:
     r, sum_exp, label, total, weighted, top, top_index = (None if ref is None else ref[_slot(ref, at)]
                                                           for ref in stat_refs)
-    assert r is not None and sum_exp is not None and label is not None
+    assert r is not None and sum_exp is not None
     return r, sum_exp, label, total, weighted, top, top_index
 
 
@@ -147,7 +166,8 @@ def _initial_state(stat_refs) -> tile_stats.State:
     zeros = jnp.zeros(shape, jnp.float32)
     lowest = jnp.full(shape, -jnp.inf, jnp.float32)
     argmax = stat_refs[6] is not None
-    return (lowest, zeros, zeros, None if stat_refs[3] is None else zeros, None if stat_refs[4] is None else zeros,
+    label, total, weighted = (None if ref is None else zeros for ref in stat_refs[2:5])
+    return (lowest, zeros, label, total, weighted,
             lowest if argmax else None, jnp.zeros(shape, jnp.int32) if argmax else None)
 
 
@@ -157,7 +177,8 @@ def _write_outputs(outs, rows: tile_stats.State) -> None:
     lse_ref, label_ref, sum_ref, expected_ref, max_ref, argmax_ref = outs
     m, sum_exp, label, total, weighted, top, top_index = rows
     lse_ref[...] = m + jnp.log(sum_exp)
-    label_ref[...] = label
+    if label_ref is not None and label is not None:
+        label_ref[...] = label
     if sum_ref is not None and total is not None:
         sum_ref[...] = total
     if expected_ref is not None and weighted is not None:
@@ -185,10 +206,16 @@ def _split_row_scale(refs, cfg: ForwardConfig):
     return (refs[0], refs[1:]) if cfg.with_row_scale else (None, refs)
 
 
-def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
+def _split_labels(refs, cfg: ForwardConfig):
+    """The labels' ref (None when the wrapper takes the label logit) and the kernel's remaining refs."""
+    return (refs[0], refs[1:]) if cfg.label_in_kernel else (None, refs)
+
+
+def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig):
     """Per-lane statistics (see the module docs), in two slots, so that a step reads the previous
     step's and writes its own before its overflow check is known, and a redo still finds the state
     from before the step; the reference has one, since only an exact step moves it."""
+    y_ref, refs = _split_labels(refs, cfg)
     s_ref, refs = _split_row_scale(refs, cfg)
     outs, stat_refs, (redo_ref,) = _split_refs(refs, cfg)
     step = _grid_step(cfg)
@@ -200,7 +227,7 @@ def _streamed_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     # aborts on the program ("No DMA issue node found for sync flag"), as if the block's DMA wait had
     # moved into a branch that a step may skip or take twice. Their gap is built in each branch
     # (:func:`_label_gap`).
-    labels = y_ref[...]
+    labels = None if y_ref is None else y_ref[...]
     previous, current = (step.j + 1) % 2, step.j % 2
 
     # Taken exactly: the first block of a row (no reference yet) and a ragged last block.
@@ -235,13 +262,15 @@ def _row_scale(s_ref) -> jax.Array | None:
     return None if s_ref is None else s_ref[...]
 
 
-def _label_gap(labels: jax.Array, block_start, cfg: ForwardConfig) -> jax.Array:
+def _label_gap(labels: jax.Array | None, block_start, cfg: ForwardConfig) -> jax.Array | None:
     """``label - block_start - lane``, ``[b, 128]``: where each row's label falls in a column group.
 
     Built inside each step's branch, not before the branches: a branch is its own basic block, and
     only there can libtpu's scheduler overlap these per-row broadcasts with the step's matmul (v6e,
-    1024/all/2048: 3.7% of a step when they came first, docs/benchmarks.md).
+    1024/all/2048: 3.7% of a step when they came first, docs/benchmarks.md). None without labels.
     """
+    if labels is None:
+        return None
     return (jnp.broadcast_to(labels - block_start, (cfg.block_b, LANES))
             - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
 
@@ -330,8 +359,9 @@ def _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, acc_ref, stat_refs, ste
 
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig,
                  row_scale: jax.Array | None = None) -> tuple[jax.Array, ...]:
-    """Per-core partial statistics, each ``[cores, N, 1]``: ``(lse, label[, sum][, expected][, max,
-    argmax])``, float32 but argmax int32.
+    """Per-core partial statistics, each ``[cores, N, 1]``: ``(lse[, label][, sum][, expected][, max,
+    argmax])``, float32 but argmax int32; the label logit when ``cfg.label_in_kernel`` (else
+    :func:`label_logits` gives it).
 
     ``x`` is ``[N, H]``, ``w`` is ``[H, V]`` (``cfg.w_layout == "hv"``) or ``[V, H]`` (``"vh"``),
     ``labels`` is int32 ``[N, 1]``, ``row_scale`` float32 ``[N, 1]`` exactly when ``cfg.with_row_scale``.
@@ -350,9 +380,11 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     in_specs = [
         common.block_spec((cfg.block_b, cfg.block_h), lambda c, i, j, k: (i, k), x_mode),
         pl.BlockSpec((cfg.block_v, cfg.block_h) if cfg.w_layout == "vh" else (cfg.block_h, cfg.block_v), w_block),
-        pl.BlockSpec((cfg.block_b, 1), lambda c, i, j, k: (i, 0)),
     ]
-    inputs = [x, w, labels]
+    inputs = [x, w]
+    if cfg.label_in_kernel:
+        in_specs.append(pl.BlockSpec((cfg.block_b, 1), lambda c, i, j, k: (i, 0)))
+        inputs.append(labels)
     if row_scale is not None:
         in_specs.append(pl.BlockSpec((cfg.block_b, 1), lambda c, i, j, k: (i, 0)))
         inputs.append(row_scale)
@@ -362,7 +394,7 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     # The last statistic is the argmax, the only integer one.
     out_dtypes = [jnp.float32] * (num_out - 1) + [jnp.int32 if cfg.with_argmax else jnp.float32]
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), dtype, axes) for dtype in out_dtypes]
-    # Running max (streamed: reference), sum of exp, label logit (, logit sum)(, weighted sum)(, top
+    # Running max (streamed: reference), sum of exp (, label logit)(, logit sum)(, weighted sum)(, top
     # logit, its index), per row, or per row and lane when streamed.
     stat_dtypes = [jnp.float32] * cfg.n_stats + [jnp.int32 if cfg.with_argmax else jnp.float32]
     if cfg.nh > 1:
@@ -396,6 +428,58 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         ),
         name="ce_pallas_tpu_forward",
     )(*inputs)
+
+
+#: The most bytes of gathered ``w`` rows :func:`label_logits` holds at once: it takes the tokens in
+#: chunks of at most this many bytes of rows, so a tied head's temporaries stay those of an untied one
+#: (within 8 MiB; ``test_pallas_tied_memory.py``).
+LABEL_ROWS_BYTES = 4 * 2**20
+
+
+def label_logits(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig,
+                 row_scale: jax.Array | None = None) -> jax.Array:
+    """The rows' label logits ``[N]``, ``s * cap(x_n . w[y_n])`` from a ``[V, H]`` head (one row of ``w``
+    per token), 0 where a label is outside ``[0, V)``: what the kernel gives when not
+    ``cfg.label_in_kernel``. The operands are rounded to the products' dtype as the kernel's MXU takes
+    them, and the products summed in float32. The tokens go in chunks of :data:`LABEL_ROWS_BYTES` of
+    rows (the last one moved back to end at ``N``, overlapping the one before)."""
+    if cfg.w_layout != "vh":
+        raise ValueError(f"label_logits: takes a [V, H] head, got w_layout={cfg.w_layout!r}")
+    n = x.shape[0]
+    y = labels.reshape(-1)
+    scale = None if row_scale is None else row_scale.reshape(-1)
+    row_bytes = w.shape[1] * w.dtype.itemsize
+    chunk = max(SUBLANES, LABEL_ROWS_BYTES // row_bytes // SUBLANES * SUBLANES)
+    if chunk >= n:
+        return _label_logits_of(x, w, y, scale, cfg)
+
+    def body(index, out):
+        start = jnp.minimum(index * chunk, n - chunk)
+
+        def part(a: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_slice_in_dim(a, start, chunk)
+
+        logits = _label_logits_of(part(x), w, part(y), None if scale is None else part(scale), cfg)
+        return jax.lax.dynamic_update_slice(out, logits, (start,))
+
+    return jax.lax.fori_loop(0, pl.cdiv(n, chunk), body, jnp.zeros((n,), jnp.float32))
+
+
+def _label_logits_of(x: jax.Array, w: jax.Array, y: jax.Array, scale: jax.Array | None,
+                     cfg: ForwardConfig) -> jax.Array:
+    """:func:`label_logits` of one chunk of tokens (``y`` and ``scale`` ``[n]``, ``scale`` None: 1)."""
+    hit = (y >= 0) & (y < cfg.v)
+    rows = jnp.take(w, jnp.where(hit, y, 0), axis=0)
+    bf16 = common.mxu_dtype(cfg.precision) == jnp.bfloat16
+
+    def operand(a: jax.Array) -> jax.Array:
+        # reduce_precision, not a cast there and back, which XLA may drop (excess precision allowed)
+        a = a.astype(jnp.float32)
+        return jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7) if bf16 else a
+
+    raw = jnp.sum(operand(x) * operand(rows), axis=1, keepdims=True)
+    scale_column = None if scale is None else scale.reshape(-1, 1)
+    return jnp.where(hit, tile_stats.logits(raw, cfg, scale_column)[:, 0], 0.0)
 
 
 def merge_cores(partials: jax.Array, how: str) -> jax.Array:

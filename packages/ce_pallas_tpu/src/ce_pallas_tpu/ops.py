@@ -20,7 +20,7 @@ from ce_pallas_tpu import tile_cache, tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import mxu_dtype, resolve_precision
 from ce_pallas_tpu.cost_model import Shape
-from ce_pallas_tpu.forward import ForwardConfig, forward_call, merge_argmax, merge_cores, merge_expected
+from ce_pallas_tpu.forward import ForwardConfig, forward_call, label_logits, merge_argmax, merge_cores, merge_expected
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.target import Target, active_cores, current_target, interpret_params
 
@@ -199,9 +199,9 @@ def _forward(x, w, inputs, plan: Plan):
     y = labels.astype(jnp.int32).reshape(-1, 1)
     cfg = plan.forward
     partials = list(forward_call(x, w, y, cfg, scale))
-    lse_partials, label_partials = partials.pop(0), partials.pop(0)
+    lse_partials = partials.pop(0)
     lse = merge_cores(lse_partials, "logsumexp")
-    label = merge_cores(label_partials, "sum")
+    label = merge_cores(partials.pop(0), "sum") if cfg.label_in_kernel else label_logits(x, w, y, cfg, scale)
     total = merge_cores(partials.pop(0), "sum") if cfg.with_sum else None
     expected = merge_expected(lse_partials, partials.pop(0), lse) if cfg.with_expected else None
     top, top_index = merge_argmax(partials.pop(0), partials.pop(0)) if cfg.with_argmax else (None, None)

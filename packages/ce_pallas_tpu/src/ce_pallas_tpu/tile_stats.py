@@ -3,7 +3,8 @@
 A row's statistics are ``(max, sum of exp, label logit, logit sum, weighted sum, top, top index)``:
 the lse is ``max + log(sum)``, and the weighted sum ``sum_j exp(z_j - max) z_j`` over the sum of exp
 is the expected logit (for the entropy); the logit sum and weighted sum are ``None`` unless asked
-for, and so are the largest logit and its lowest index (``with_argmax``). The logits are
+for, and so are the largest logit and its lowest index (``with_argmax``), and the label logit when
+the wrapper takes it (no labels given). The logits are
 ``s_i * cap(raw)`` (:func:`logits`; ``s`` the row scale when ``with_row_scale``).
 
 Per row (``[b, 1]``, :func:`row_update`) each tile's maximum is reduced across lanes before its exps.
@@ -29,10 +30,10 @@ from ce_pallas_tpu import common
 from ce_pallas_tpu.common import KernelConfig
 from ce_pallas_tpu.layout import LANES
 
-#: ``(max or reference, sum of exp, label logit, logit sum or None, weighted sum or None, top logit or
-#: None, top index or None)``; the top index is int32, per lane the global column of the lane's 0th
-#: position in the group that holds the top (:func:`lanes_to_rows` adds the lane).
-State = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array | None,
+#: ``(max or reference, sum of exp, label logit or None, logit sum or None, weighted sum or None, top
+#: logit or None, top index or None)``; the top index is int32, per lane the global column of the
+#: lane's 0th position in the group that holds the top (:func:`lanes_to_rows` adds the lane).
+State = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array | None, jax.Array | None,
               jax.Array | None]
 
 #: An index above any column, for taking the lowest index of a maximum with ``min``.
@@ -75,12 +76,13 @@ def logits(z_raw: jax.Array, cfg: KernelConfig, scale: jax.Array | None) -> jax.
     return jnp.tanh(z_raw * (1.0 / cfg.logit_soft_cap)) * (cfg.logit_soft_cap * scale)
 
 
-def row_update(z_raw: jax.Array, start, y: jax.Array, state: State, cfg: KernelConfig,
+def row_update(z_raw: jax.Array, start, y: jax.Array | None, state: State, cfg: KernelConfig,
                scale: jax.Array | None = None) -> State:
     """The per-row statistics ``[b, 1]`` after one tile ``[b, c]`` of raw logits.
 
     ``start`` is the global id of the tile's first column; columns at or past ``V`` (garbage in a
-    ragged last block) count for nothing, and labels ``y`` ``[b, 1]`` outside ``[0, V)`` never hit.
+    ragged last block) count for nothing, and labels ``y`` ``[b, 1]`` outside ``[0, V)`` never hit
+    (``y`` None: no label logit, the state's is None).
     The top logit is the running max itself; its index moves only on a strictly larger tile maximum,
     so a tie keeps the earlier tile (and, in a tile, the lowest column).
     """
@@ -102,10 +104,11 @@ def row_update(z_raw: jax.Array, start, y: jax.Array, state: State, cfg: KernelC
     rescale = jnp.exp(m - m_new)
     exps = jnp.exp(z_lse - m_new)
     sum_exp = sum_exp * rescale + jnp.sum(exps, axis=1, keepdims=True)
-    hit = local == y - start
-    if valid is not None:
-        hit = hit & valid
-    label = label + jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True)
+    if y is not None and label is not None:
+        hit = local == y - start
+        if valid is not None:
+            hit = hit & valid
+        label = label + jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True)
     if total is not None:
         total = total + jnp.sum(z_owned, axis=1, keepdims=True)
     if weighted is not None:
@@ -128,15 +131,15 @@ def _top_update(zg: jax.Array, column, top: jax.Array | None, top_index: jax.Arr
     return jnp.where(better, zg, top), jnp.where(better, column, top_index)
 
 
-def streamed_lane_update(z_raw: jax.Array, gap: jax.Array, state: State, cfg: KernelConfig, first: int,
+def streamed_lane_update(z_raw: jax.Array, gap: jax.Array | None, state: State, cfg: KernelConfig, first: int,
                          start: jax.Array | int, scale: jax.Array | None = None) -> State:
     """The per-lane statistics ``[b, 128]`` after one tile that is not a ragged last one, its exps
     taken against each lane's reference as it stands (the reference is returned unchanged).
 
     The tile starts at column ``first`` of its vocab block (global column ``start``, needed for the
     top index), and ``gap`` is ``label - (the block's first global column) - lane``: a column group
-    at offset ``g`` of the block holds a row's label in the lane where ``gap == g``. The caller
-    checks the sums against :data:`OVERFLOW_SUM` afterwards.
+    at offset ``g`` of the block holds a row's label in the lane where ``gap == g`` (None, with the
+    state's label: no label logit). The caller checks the sums against :data:`OVERFLOW_SUM` afterwards.
     """
     r, sum_exp, label, total, weighted, top, top_index = state
     z = logits(z_raw, cfg, scale)
@@ -144,7 +147,8 @@ def streamed_lane_update(z_raw: jax.Array, gap: jax.Array, state: State, cfg: Ke
         top, top_index = _top_update(zg, start + g, top, top_index)
         e = jnp.exp(zg - r)
         sum_exp = sum_exp + e
-        label = jnp.where(gap == first + g, zg, label)
+        if gap is not None and label is not None:
+            label = jnp.where(gap == first + g, zg, label)
         if total is not None:
             total = total + zg
         if weighted is not None:
@@ -152,12 +156,12 @@ def streamed_lane_update(z_raw: jax.Array, gap: jax.Array, state: State, cfg: Ke
     return r, sum_exp, label, total, weighted, top, top_index
 
 
-def exact_lane_update(z_raw: jax.Array, start, y: jax.Array, gap: jax.Array, state: State, cfg: KernelConfig,
-                      first: int, scale: jax.Array | None = None) -> State:
+def exact_lane_update(z_raw: jax.Array, start, y: jax.Array | None, gap: jax.Array | None, state: State,
+                      cfg: KernelConfig, first: int, scale: jax.Array | None = None) -> State:
     """The per-lane statistics after one tile, each lane's reference first moved up to its maximum
     (the sums rescaled to it), so no exp exceeds 1. ``start`` is the tile's first global column:
-    columns at or past ``V`` count for nothing. ``y``: the labels ``[b, 1]``; the rest as in
-    :func:`streamed_lane_update`.
+    columns at or past ``V`` count for nothing. ``y``: the labels ``[b, 1]`` (None with ``gap``: no
+    label logit); the rest as in :func:`streamed_lane_update`.
     """
     lane = jax.lax.broadcasted_iota(jnp.int32, (z_raw.shape[0], LANES), 1)
     if z_raw.shape[1] % LANES:
@@ -181,13 +185,15 @@ def exact_lane_update(z_raw: jax.Array, start, y: jax.Array, gap: jax.Array, sta
         weighted = weighted * rescale
     for g, zg, valid, z_lse in groups:
         e = jnp.exp(z_lse - r_new)
-        hit = gap == first + g
+        hit = None if gap is None else gap == first + g
         if valid is not None:
-            e, hit, zg_owned = jnp.where(valid, e, 0.0), hit & valid, jnp.where(valid, zg, 0.0)
+            e, zg_owned = jnp.where(valid, e, 0.0), jnp.where(valid, zg, 0.0)
+            hit = None if hit is None else hit & valid
         else:
             zg_owned = zg
         sum_exp = sum_exp + e
-        label = jnp.where(hit, zg, label)
+        if hit is not None and label is not None:
+            label = jnp.where(hit, zg, label)
         if total is not None:
             total = total + zg_owned
         if weighted is not None:
@@ -208,7 +214,7 @@ def select(condition, if_true: State, if_false: State) -> State:
     def pick_optional(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
         return None if a is None or b is None else pick(a, b)
 
-    return (pick(if_true[0], if_false[0]), pick(if_true[1], if_false[1]), pick(if_true[2], if_false[2]),
+    return (pick(if_true[0], if_false[0]), pick(if_true[1], if_false[1]), pick_optional(if_true[2], if_false[2]),
             pick_optional(if_true[3], if_false[3]), pick_optional(if_true[4], if_false[4]),
             pick_optional(if_true[5], if_false[5]), pick_optional(if_true[6], if_false[6]))
 
@@ -228,5 +234,5 @@ def lanes_to_rows(state: State) -> State:
         row_top = jnp.max(top, axis=1, keepdims=True)
         lane = jax.lax.broadcasted_iota(jnp.int32, top.shape, 1)
         row_index = jnp.min(jnp.where(top == row_top, top_index + lane, NO_INDEX), axis=1, keepdims=True)
-    return (m, rows(sum_exp * share), rows(label), None if total is None else rows(total),
+    return (m, rows(sum_exp * share), None if label is None else rows(label), None if total is None else rows(total),
             None if weighted is None else rows(weighted * share), row_top, row_index)
