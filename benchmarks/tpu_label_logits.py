@@ -7,7 +7,9 @@ compiles the whole forward (``ops.row_stats``, jitted) for a generation's device
 prints every op libtpu profiled with its estimated cycles: the kernel, and the XLA fusions around it
 (the gathered rows' products, the merge of the statistics). The gather itself is offloaded to the
 SparseCore where the chip has one (v5p, v6e, TPU7x), which the static profile does not cover: the
-script says whether the compiled program offloads it.
+script says whether the compiled program offloads it. ``--gather-only`` compiles nothing but the
+gather of each token's label entries, a row of ``[V, H]`` or a column of ``[H, V]`` (what the wrapper
+would have to gather for an ``[H, V]`` head: XLA copies the whole head to take it).
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 uv run python benchmarks/tpu_label_logits.py --shape 4096x1024x151936 --target v6e
 """
@@ -62,7 +64,12 @@ def _worker(args: argparse.Namespace) -> None:
         operands = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16, sharding=sharding),
                     jax.ShapeDtypeStruct(w_shape, jnp.bfloat16, sharding=sharding),
                     jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding))
-        compiled = jax.jit(lambda x, w, y: ops.row_stats(x, w, y, spec)).lower(*operands).compile()
+        if args.gather_only:
+            axis = 0 if args.w_layout == "vh" else 1
+            program = jax.jit(lambda x, w, y: jnp.take(w, y, axis=axis, mode="clip"))
+        else:
+            program = jax.jit(lambda x, w, y: ops.row_stats(x, w, y, spec))
+        compiled = program.lower(*operands).compile()
     hlo = compiled.as_text() or ""
     print("gather offloaded to the SparseCore:", "yes" if 'execution_thread="sparsecore"' in hlo else "no")
 
@@ -74,6 +81,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shape", type=parse_shape, default=(4096, 1024, 151936), help="NxHxV")
     parser.add_argument("--w-layout", choices=("hv", "vh"), default="vh")
     parser.add_argument("--objective", choices=("loss", "rl"), default="rl")
+    parser.add_argument("--gather-only", action="store_true", help="compile only the gather of the labels' entries")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -88,12 +96,18 @@ def main(argv: list[str]) -> int:
         done = subprocess.run([sys.executable, __file__, "--worker", *argv], env=env, check=True,
                               capture_output=True, text=True)
         cycles = read_profiles(profile)
+    n, h, v = args.shape
+    print(f"{args.target}, {n}x{h}x{v}, w_layout={args.w_layout}, {args.objective}"
+          + (", the gather alone" if args.gather_only else ""))
+    print(done.stdout.strip().splitlines()[-1])
+    if args.gather_only:
+        for name, c in sorted(cycles.items(), key=lambda item: -item[1]):
+            print(f"| {name} | {c:,} |")
+        print(f"in all: {sum(cycles.values()):,} cycles")
+        return 0
     kernel = sum(c for name, c in cycles.items() if name.startswith(KERNEL))
     if not kernel:
         raise RuntimeError(f"no profile of {KERNEL} among {sorted(cycles)}")
-    n, h, v = args.shape
-    print(f"{args.target}, {n}x{h}x{v}, w_layout={args.w_layout}, {args.objective}")
-    print(done.stdout.strip().splitlines()[-1])
     print("| op | estimated cycles | of the kernel's |")
     print("|---|---:|---:|")
     for name, c in sorted(cycles.items(), key=lambda item: -item[1]):
