@@ -276,6 +276,24 @@ def test_label_logits_round_the_operands_as_the_kernel_does(monkeypatch, x_dtype
         label_logits(jnp.asarray(x), jnp.asarray(w.T), jnp.asarray(labels), dataclasses.replace(cfg, w_layout="hv"))
 
 
+def test_label_logits_in_chunks_inside_a_shard_map(monkeypatch):
+    """Under ``shard_map`` (tokens split over two devices) the chunk loop's carry varies like its
+    operands, and each shard's label logits are the unsharded call's."""
+    monkeypatch.setattr(forward, "LABEL_ROWS_BYTES", 8 * H * 4)
+    rng = np.random.default_rng(33)
+    n = 2 * 36  # 36 tokens a shard: four chunks of 8 and a last one moved back
+    x = jnp.asarray(rng.normal(size=(n, H)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(V, H)) / np.sqrt(H), jnp.float32)
+    labels = jnp.asarray(rng.integers(-1, V + 1, (n, 1)), jnp.int32)
+    spec = StatsSpec(w_layout="vh", precision="highest")
+    cfg = ops.make_plan(n // 2, H, V, x.dtype, w.dtype, spec, Target("v5e", 1, None)).forward
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.shard_map(lambda x_, y_: label_logits(x_, w, y_, cfg), mesh=mesh,
+                            in_specs=(jax.P("data"), jax.P("data")), out_specs=jax.P("data"))
+    np.testing.assert_allclose(np.asarray(jax.jit(sharded)(x, labels)), np.asarray(label_logits(x, w, labels, cfg)),
+                               rtol=1e-6, atol=1e-6)
+
+
 #: Instructions that pass an array on without moving it: the head as a parameter, and as a loop's
 #: invariant (the label logits' chunk loop carries ``w`` through a ``while``).
 _ALIASES = re.compile(r"\b(?:parameter|get-tuple-element|tuple|while|bitcast)\(")

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ce_core.extend import vary_like
 from ce_pallas_tpu import common, tile_stats
 from ce_pallas_tpu.layout import LANES, SUBLANES, forward_column_chunk
 
@@ -462,7 +463,9 @@ def label_logits(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         logits = _label_logits_of(part(x), w, part(y), None if scale is None else part(scale), cfg)
         return jax.lax.dynamic_update_slice(out, logits, (start,))
 
-    return jax.lax.fori_loop(0, pl.cdiv(n, chunk), body, jnp.zeros((n,), jnp.float32))
+    # Inside a shard_map the carry varies over the manual axes that the operands vary over.
+    initial = vary_like(jnp.zeros((n,), jnp.float32), x, w, y, scale)
+    return jax.lax.fori_loop(0, pl.cdiv(n, chunk), body, initial)
 
 
 def _label_logits_of(x: jax.Array, w: jax.Array, y: jax.Array, scale: jax.Array | None,
