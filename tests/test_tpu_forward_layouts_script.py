@@ -27,27 +27,29 @@ def test_an_interior_step_is_the_difference_of_two_grids_per_token_block(load_be
     assert script.per_step({2: 1000.0, 3: 1600.0}, 2) == 300.0
 
 
-@pytest.mark.slow
-def test_each_variant_compiles_for_v6e_and_reads_back_its_schedule():
-    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--tokens", "256", "--vocab", "512", "--hidden", "256",
-                           "--objective", "rl"], env=env, check=True, capture_output=True, text=True, timeout=600)
-    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
-    for variant in ("kernel", "lanes", "tokens-on-lanes"):
-        cells = rows[variant].strip("|").split("|")
-        cycles, mxu, ratio = float(cells[1]), float(cells[2]), float(cells[3])
-        assert cycles > mxu == 128  # 256 rows through one 256x256 weight tile per 256 columns, 2 MXUs x 2 rows
-        assert ratio == pytest.approx(cycles / mxu, abs=1e-3)
-        assert float(cells[4]) > 0  # vector loads per logit register
-
-
-def _vector_loads(argv: list[str]) -> dict[str, float]:
+def _probe_rows(argv: list[str]) -> dict[str, list[str]]:
+    """The probe's table at 256/all/512, H=256, RL: each variant's cells after its name."""
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     done = subprocess.run([sys.executable, str(SCRIPT), "--tokens", "256", "--vocab", "512", "--hidden", "256",
                            "--objective", "rl", *argv], env=env, check=True, capture_output=True, text=True,
                           timeout=600)
     rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| ")]
-    return {cells[0].strip(): float(cells[4]) for cells in rows[1:]}
+    return {cells[0].strip(): cells[1:] for cells in rows[1:]}
+
+
+@pytest.mark.slow
+def test_each_variant_compiles_for_v6e_and_reads_back_its_schedule():
+    rows = _probe_rows([])
+    for variant in ("kernel", "lanes", "tokens-on-lanes"):
+        cells = rows[variant]
+        cycles, mxu, ratio = float(cells[0]), float(cells[1]), float(cells[2])
+        assert cycles > mxu == 128  # 256 rows through one 256x256 weight tile per 256 columns, 2 MXUs x 2 rows
+        assert ratio == pytest.approx(cycles / mxu, abs=1e-3)
+        assert float(cells[3]) > 0  # vector loads per logit register
+
+
+def _vector_loads(argv: list[str]) -> dict[str, float]:
+    return {variant: float(cells[3]) for variant, cells in _probe_rows(argv).items()}
 
 
 @pytest.mark.slow

@@ -447,8 +447,8 @@ def label_logits(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     if cfg.w_layout != "vh":
         raise ValueError(f"label_logits: takes a [V, H] head, got w_layout={cfg.w_layout!r}")
     n = x.shape[0]
-    y = labels.reshape(-1)
-    scale = None if row_scale is None else row_scale.reshape(-1)
+    y = labels.reshape(-1, 1)
+    scale = None if row_scale is None else row_scale.reshape(-1, 1)
     row_bytes = w.shape[1] * w.dtype.itemsize
     chunk = max(SUBLANES, LABEL_ROWS_BYTES // row_bytes // SUBLANES * SUBLANES)
     if chunk >= n:
@@ -470,9 +470,10 @@ def label_logits(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
 
 def _label_logits_of(x: jax.Array, w: jax.Array, y: jax.Array, scale: jax.Array | None,
                      cfg: ForwardConfig) -> jax.Array:
-    """:func:`label_logits` of one chunk of tokens (``y`` and ``scale`` ``[n]``, ``scale`` None: 1)."""
+    """:func:`label_logits` of one chunk of tokens (``y`` and ``scale`` ``[n, 1]`` columns, ``scale``
+    None: 1)."""
     hit = (y >= 0) & (y < cfg.v)
-    rows = jnp.take(w, jnp.where(hit, y, 0), axis=0)
+    rows = jnp.take(w, jnp.where(hit, y, 0)[:, 0], axis=0)
     bf16 = common.mxu_dtype(cfg.precision) == jnp.bfloat16
 
     def operand(a: jax.Array) -> jax.Array:
@@ -481,8 +482,7 @@ def _label_logits_of(x: jax.Array, w: jax.Array, y: jax.Array, scale: jax.Array 
         return jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7) if bf16 else a
 
     raw = jnp.sum(operand(x) * operand(rows), axis=1, keepdims=True)
-    scale_column = None if scale is None else scale.reshape(-1, 1)
-    return jnp.where(hit, tile_stats.logits(raw, cfg, scale_column)[:, 0], 0.0)
+    return jnp.where(hit, tile_stats.logits(raw, cfg, scale), 0.0)[:, 0]
 
 
 def merge_cores(partials: jax.Array, how: str) -> jax.Array:
