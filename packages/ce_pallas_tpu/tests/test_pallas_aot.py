@@ -17,7 +17,7 @@ import pytest
 
 import ce_core
 from ce_core.extend import CompileResult, compile_program
-from ce_pallas_tpu import tiling
+from ce_pallas_tpu import ops, tiling
 from ce_pallas_tpu.tooling import aot
 
 #: The slow tier: real TPU compiles for every generation (uv run pytest -m slow).
@@ -196,5 +196,27 @@ def test_every_tuned_forward_serves_the_rl_objective(generation, bucket):
         return jnp.mean(logp) + 0.01 * jnp.mean(entropy)
 
     result = compile_value_and_grad(generation, objective, (n, h), (h, v))
+    assert result.ok and result.temp_bytes is not None, result.error
+    assert result.temp_bytes <= hbm_bound(n, h, v)
+
+
+@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("n,h,v", [(4096, 896, 151936), (4095, 1152, 262145), (2047, 640, 262144)])
+def test_tied_heads_that_half_fill_a_256_wide_mxu_compile_with_dw_transposed(generation, n, h, v):
+    """Qwen2.5-0.5B's, Gemma-3 1B's and 270M's tied heads (H 3.5, 4.5 and 2.5 of the MXU's width), some
+    ragged: the backward accumulates their ``dw`` as ``[Hp, block_v]`` and transposes it on its way out
+    (``BackwardConfig.dw_transposed``); log-probs with the entropy compile within the bound."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    spec = ce_core.StatsSpec(w_layout="vh", with_expected=True)
+    with aot.compiling_for(generation):
+        plan = ops.make_plan(n, h, v, bf16, bf16, spec)
+    assert plan.backward.dw_transposed
+
+    def objective(x, w, labels):
+        logp, entropy = ce_core.linear_log_probs(x, labels, w, return_entropy=True, implementation="pallas_tpu",
+                                                 w_layout="vh")
+        return jnp.mean(logp) + 0.01 * jnp.mean(entropy)
+
+    result = compile_value_and_grad(generation, objective, (n, h), (v, h))
     assert result.ok and result.temp_bytes is not None, result.error
     assert result.temp_bytes <= hbm_bound(n, h, v)

@@ -21,6 +21,7 @@ import ce_pallas_tpu
 from ce_core import BlockSizes, Problem, RowStats, StatsSpec
 from ce_core.extend import TOLERANCES, max_rel_error, random_problem, stats_oracle
 from ce_pallas_tpu import ops
+from ce_pallas_tpu.target import Target
 
 STATS = ("lse", "label", "sum", "expected")
 
@@ -84,6 +85,10 @@ FAST_CASES = [
     # V a multiple of the vocab block, several blocks per core: dw's write-back with no ragged tail.
     ("v5e", "hv", False, None, "float32", (70, 200, 512), BlockSizes(32, 128, 128)),
     ("v5p", "vh", False, None, "bfloat16", (70, 200, 768), BlockSizes(32, 128, 128)),
+    # v6e's 256-wide MXU and H = 384 (1.5 of its width): a [V, H] head's dw accumulated as [Hp, block_v]
+    # and transposed on its way out (BackwardConfig.dw_transposed), the last vocab block ragged.
+    ("v6e", "vh", True, 5.0, "float32", (77, 384, 700), BlockSizes(32, 128, 256)),
+    ("v6e", "vh", False, None, "bfloat16", (70, 384, 512), BlockSizes(32, 384, 256)),
 ]
 
 
@@ -92,6 +97,28 @@ FAST_CASES = [
 def test_backward_matches_the_oracle(interpret, target, layout, scaled, cap, dtype, shape, blocks):
     _check_against_oracle(interpret, target, *shape, layout=layout, scaled=scaled, cap=cap, dtype=dtype,
                           blocks=blocks)
+
+
+@pytest.mark.parametrize("generation,layout,h,block_v,transposed", [
+    ("v6e", "vh", 896, 4096, True),  # Qwen2.5-0.5B: 3.5 MXU widths
+    ("v6e", "vh", 384, 256, True),
+    ("tpu7x", "vh", 896, 2048, True),
+    ("v6e", "vh", 1024, 4096, False),  # whole MXU widths
+    ("v6e", "vh", 900, 4096, False),  # H padded to Hp: the staged tile is not Hp wide
+    ("v6e", "vh", 896, 128, False),  # a vocab block narrower than the MXU would waste it instead
+    ("v6e", "hv", 896, 4096, False),  # an [H, V] head accumulates x.T @ delta already
+    ("v5e", "vh", 896, 4096, False),  # 128-wide MXUs: 896 is 7 of them
+])
+def test_a_vh_dw_is_accumulated_transposed_where_its_hidden_size_half_fills_the_mxu(generation, layout, h,
+                                                                                     block_v, transposed):
+    """``delta.T @ x`` puts ``Hp`` on the MXU's output columns: at 3.5 of v6e's 256-wide passes an eighth
+    of that product is wasted (Qwen2.5-0.5B's RL backward 1.168 of the MXU minimum against the ``[H, V]``
+    head's 1.128, docs/benchmarks.md); ``x.T @ delta`` puts ``block_v`` there."""
+    spec = StatsSpec(w_layout=layout, block_sizes=BlockSizes(256, None, block_v))
+    plan = ops.make_plan(4096, h, 151936, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16), spec,
+                         Target(generation, 1, None))
+    assert plan.backward.block_v == block_v
+    assert plan.backward.dw_transposed is transposed
 
 
 @pytest.mark.slow

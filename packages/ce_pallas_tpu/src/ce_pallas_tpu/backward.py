@@ -12,6 +12,9 @@ cotangent above is multiplied by ``s_i cap'(u)`` instead of ``cap'(u)``.
 ``[Hp, block_v]``); for ``w [V, H]`` (``"vh"``, blocks ``[block_v, Hp]``) the logits are the NT product
 ``x @ w_blk.T``, ``dx += delta @ w_blk`` and ``dw_blk += delta.T @ x`` (``[block_v, Hp]``, ``dw`` in
 ``w``'s layout): every product contracts in place, and no ``[V, H]`` array is transposed or copied.
+Where ``Hp`` is not a whole number of the MXU's width (``BackwardConfig.dw_transposed``), the ``dw``
+tile is accumulated as ``x.T @ delta`` instead and only the finished tile is transposed, once per
+vocab block.
 
 Grid ``(cores, vocab blocks per core, token blocks)``, token blocks innermost:
 
@@ -68,6 +71,24 @@ class BackwardConfig(common.KernelConfig):
     """
 
     w_buffers: int = 1
+    mxu_side: int = 128
+
+    @property
+    def dw_transposed(self) -> bool:
+        """Whether a ``[V, H]`` head's ``dw`` tile is accumulated as ``[Hp, block_v]`` (``x.T @ delta``,
+        as for an ``[H, V]`` head) and transposed on its way out, once per vocab block.
+
+        ``delta.T @ x`` gives ``[block_v, Hp]`` with ``Hp`` as the MXU's output columns: where ``Hp`` is
+        not a whole number of the MXU's width (H=896 on v6e's 256-wide MXUs: 3.5) the last pass is
+        half empty, an eighth of that product wasted; ``x.T @ delta`` has ``block_v`` there (v6e,
+        Qwen2.5-0.5B's tied RL backward: 1.168 -> 1.136 of the MXU minimum, docs/benchmarks.md)."""
+        return (self.w_layout == "vh" and self.hidden == self.hp and self.hp % self.mxu_side != 0
+                and self.block_v % self.mxu_side == 0)
+
+    @property
+    def dw_acc_shape(self) -> tuple[int, int]:
+        """The float32 ``dw`` accumulator: a ``w`` block, or ``[Hp, block_v]`` when :attr:`dw_transposed`."""
+        return (self.hp, self.block_v) if self.dw_transposed else _w_block_shape(self)
 
 
 class _Rows(NamedTuple):
@@ -254,7 +275,7 @@ def _dw_step(x_ref, d: jax.Array, dw_acc, i, cfg: BackwardConfig) -> None:
         dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
 
     for chunk in _hidden_chunks(cfg):
-        if cfg.w_layout == "vh":
+        if cfg.w_layout == "vh" and not cfg.dw_transposed:
             dw_acc[:, chunk] += common.matmul_tn(d, x_ref[:, chunk], cfg.precision)
         else:
             dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
@@ -298,6 +319,10 @@ def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig) 
     return _DwWrite(full, tuple(tail), rest_source)
 
 
+#: Vocab columns of a transposed accumulator moved into the staging buffer at a time (by 128 hidden rows).
+_DW_PIECE_COLUMNS = 512
+
+
 def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg: BackwardConfig) -> None:
     """After the vocab block's last token block: the accumulator cast into the staging buffer (once the
     core's previous block has left it) and its copy to HBM started; waited for at the core's last
@@ -328,11 +353,25 @@ def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg
         def _():
             write.full.wait()
 
+        _stage_dw(dw_acc, dw_stage, cfg)
+        either(start_tail, write.full.start)
+        pl.when((jj == cfg.nv_per_core - 1) | (block == cfg.nv - 1))(lambda: either(wait_tail, write.full.wait))
+
+
+def _stage_dw(dw_acc, dw_stage, cfg: BackwardConfig) -> None:
+    """The finished ``dw`` tile into the staging buffer, in ``w``'s dtype and layout; an accumulator
+    kept transposed (:attr:`BackwardConfig.dw_transposed`) goes over in ``[128, 512]`` pieces (the
+    piece size does not change libtpu's schedule: v6e, 128 and 512 columns alike)."""
+    if not cfg.dw_transposed:
         hidden = pl.ds(0, cfg.hidden)  # the accumulator's rows past H are the padding's zeros
         tile = dw_acc[:, hidden] if cfg.w_layout == "vh" else dw_acc[hidden, :]
         dw_stage[...] = tile.astype(dw_stage.dtype)
-        either(start_tail, write.full.start)
-        pl.when((jj == cfg.nv_per_core - 1) | (block == cfg.nv - 1))(lambda: either(wait_tail, write.full.wait))
+        return
+    for h in range(0, cfg.hidden, LANES):
+        for v in range(0, cfg.block_v, _DW_PIECE_COLUMNS):
+            width = min(_DW_PIECE_COLUMNS, cfg.block_v - v)
+            piece = dw_acc[pl.ds(h, LANES), pl.ds(v, width)]
+            dw_stage[pl.ds(v, width), pl.ds(h, LANES)] = piece.T.astype(dw_stage.dtype)
 
 
 def _dx_step(w_ref, d: jax.Array, dx_buf, dx_rows: _DxRows, i, jj, cfg: BackwardConfig) -> None:
@@ -389,7 +428,7 @@ def backward_call(
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
     scratch = [
-        pltpu.VMEM(_w_block_shape(cfg), jnp.float32),  # dw accumulator
+        pltpu.VMEM(cfg.dw_acc_shape, jnp.float32),  # dw accumulator
         pltpu.VMEM(_block_shape(cfg, cfg.hidden), w.dtype),  # dw staging: the finished tile on its way out
         pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
         pltpu.SemaphoreType.DMA((3,)),  # dx rows in, dx rows out, dw out

@@ -149,6 +149,7 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
         block_v=tiles.backward.block_v,
         num_cores=active_cores(target.num_cores, nv_backward),
         w_buffers=tiling.backward_w_buffers(shape, tiles.backward, target),
+        mxu_side=target.facts.mxu_side,
         **common,
     )
     return Plan(n, h, v, forward, backward, tiles.source)
