@@ -200,8 +200,8 @@ def test_every_tuned_forward_serves_the_rl_objective(generation, bucket):
     assert result.temp_bytes <= hbm_bound(n, h, v)
 
 
-@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
-@pytest.mark.parametrize("n,h,v", [(4096, 896, 151936), (4095, 1152, 262145), (2047, 640, 262144)])
+@pytest.mark.parametrize("generation,n,h,v", [("v6e", 4096, 896, 151936), ("tpu7x", 4095, 1152, 262145),
+                                              ("v6e", 2047, 640, 262144)])
 def test_tied_heads_that_half_fill_a_256_wide_mxu_compile_with_dw_transposed(generation, n, h, v):
     """Qwen2.5-0.5B's, Gemma-3 1B's and 270M's tied heads (H 3.5, 4.5 and 2.5 of the MXU's width), some
     ragged: the backward accumulates their ``dw`` as ``[Hp, block_v]`` and transposes it on its way out
