@@ -71,7 +71,6 @@ class BackwardConfig(common.KernelConfig):
     """
 
     w_buffers: int = 1
-    mxu_side: int = 128
 
     @property
     def dw_transposed(self) -> bool:

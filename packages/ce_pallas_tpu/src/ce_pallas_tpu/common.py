@@ -34,6 +34,7 @@ class KernelConfig:
     w_layout: str = "hv"  # "hv": w is [H, V]; "vh": w is [V, H], blocks [block_v, hp], products contract on H
     with_argmax: bool = False  # the forward also gives each row's max logit and its lowest index
     with_row_scale: bool = False  # the logits are s_i * cap(x_i . w_j), s a per-token input
+    mxu_side: int = 128  # the width of the generation's MXUs (the forward's column chunks, the backward's dw form)
 
     @property
     def block_sizes(self) -> BlockSizes:

@@ -69,11 +69,7 @@ from ce_pallas_tpu.layout import LANES, SUBLANES, forward_column_chunk
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig(common.KernelConfig):
     """Static shape and tiling of one forward call; ``block_h`` is the hidden block (``hp``: unblocked).
-
-    ``mxu_side``: the width of the generation's MXUs, which sets the step's column chunks.
-    """
-
-    mxu_side: int = 128
+    ``mxu_side`` sets the streamed step's column chunks."""
 
     @property
     def label_in_kernel(self) -> bool:

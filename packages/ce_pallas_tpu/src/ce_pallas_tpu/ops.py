@@ -73,6 +73,7 @@ class _SharedConfig(TypedDict):
     interpret: object
     vmem_limit_bytes: int | None
     precision: str
+    mxu_side: int
 
 
 def padded_hidden(h: int) -> int:
@@ -131,6 +132,7 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
         interpret=interpret,
         vmem_limit_bytes=limit,
         precision=resolve_precision(x_dtype, w_dtype, spec.precision),
+        mxu_side=target.facts.mxu_side,
     )
     nv_forward = cdiv(v, tiles.forward.block_v)
     nv_backward = cdiv(v, tiles.backward.block_v)
@@ -139,7 +141,6 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
         block_h=tiles.forward.block_h,
         block_v=tiles.forward.block_v,
         num_cores=active_cores(target.num_cores, nv_forward),
-        mxu_side=target.facts.mxu_side,
         with_argmax=spec.with_argmax,
         **common,
     )
@@ -149,7 +150,6 @@ def _cached_plan(n: int, h: int, v: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
         block_v=tiles.backward.block_v,
         num_cores=active_cores(target.num_cores, nv_backward),
         w_buffers=tiling.backward_w_buffers(shape, tiles.backward, target),
-        mxu_side=target.facts.mxu_side,
         **common,
     )
     return Plan(n, h, v, forward, backward, tiles.source)
