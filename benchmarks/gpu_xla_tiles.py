@@ -3,7 +3,7 @@
 Each variant replaces the running platform's entry of :data:`ce_xla.target.BUDGETS` (and, optionally,
 the gradient order) while its programs are traced; every variant of one shape is then timed in the same rounds
 as the three-matmul floor, so the ratios of one shape's rows compare. This is how the GPU budgets
-in :mod:`ce_xla.target` were chosen (docs/benchmarks.md, "GPU").
+in :mod:`ce_xla.target` were chosen (docs/notes/2026-11-26-gpu-h200.md, "Choosing the GPU tiles").
 
     python benchmarks/gpu_xla_tiles.py [--quick] [--repeats R] [--forward] > table.md
 

@@ -18,8 +18,8 @@ Each is compiled for two token blocks by two and by three vocab blocks through l
 topology, with the static-profile dumps of :mod:`ce_pallas_tpu.tooling.schedule.dumps`; the difference
 is two interior steps. Printed per step: libtpu's estimated cycles, the MXU minimum and their ratio,
 and the ops per float32 logit register (8 x 128 logits) that tell the variants apart: vector loads and
-stores, vector adds, the lane broadcasts. docs/benchmarks.md, "The label gap built inside the step",
-has the figures this gave.
+stores, vector adds, the lane broadcasts. docs/notes/2026-11-27-label-gap.md (and
+docs/notes/2026-11-27-label-logit-beside-kernel.md) has the figures this gave.
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 uv run python benchmarks/tpu_forward_layouts.py --tokens 2048 --vocab 2048 \\
         --hidden 1024 --objective rl

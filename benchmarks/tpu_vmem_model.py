@@ -5,7 +5,7 @@ tiles and options (the entropy's statistic, a soft cap, the argmax, the logit su
 are compiled alone at full size through libtpu's deviceless topology
 (:func:`ce_pallas_tpu.tooling.vmem.kernel_vmem`); each row prints libtpu's scoped VMEM and the
 model's (:func:`ce_pallas_tpu.tooling.vmem.model_vmem`), then a summary per generation and kernel. This is how the
-model's coefficients were fitted (docs/benchmarks.md, "The VMEM model fitted to libtpu's figure").
+model's coefficients were fitted (docs/notes/2026-11-26-vmem-model-fitted.md).
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 uv run python benchmarks/tpu_vmem_model.py --targets v5e,v6e --count 35 --seed 1
 """

@@ -113,7 +113,7 @@ def test_a_vh_dw_is_accumulated_transposed_where_its_hidden_size_half_fills_the_
                                                                                      block_v, transposed):
     """``delta.T @ x`` puts ``Hp`` on the MXU's output columns: at 3.5 of v6e's 256-wide passes an eighth
     of that product is wasted (Qwen2.5-0.5B's RL backward 1.168 of the MXU minimum against the ``[H, V]``
-    head's 1.128, docs/benchmarks.md); ``x.T @ delta`` puts ``block_v`` there."""
+    head's 1.128, docs/notes/2026-11-27-tied-heads-backwards.md); ``x.T @ delta`` puts ``block_v`` there."""
     spec = StatsSpec(w_layout=layout, block_sizes=BlockSizes(256, None, block_v))
     plan = ops.make_plan(4096, h, 151936, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16), spec,
                          Target(generation, 1, None))

@@ -2,10 +2,11 @@
 
 The rules (``tiling.rows_for_hidden`` for the backward's token block, ``tiling.forward_steps_for_hidden``
 for the forward's token and vocab blocks) keep a step's matmul work about what the tuner chose at the
-bucket's example shape; the measured effect is in docs/benchmarks.md (issue 25). Here: the rules'
-arithmetic, that they only ever grow a step and stay within the VMEM the model allows, and (slow
-tier) that the tiles they give the model heads of the ``ce-bench schedule --shapes models`` matrix
-compile for every generation with both objectives.
+bucket's example shape; the measured effect is in docs/notes/2026-11-26-model-heads-hidden-size-rules.md and
+docs/notes/2026-11-26-forward-steps-narrow-heads.md (issue 25). Here: the rules' arithmetic, that they
+only ever grow a step and stay within the VMEM the model allows, and (slow tier) that the tiles they give
+the model heads of the ``ce-bench schedule --shapes models`` matrix compile for every generation with both
+objectives.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class BackwardConfig(common.KernelConfig):
         ``delta.T @ x`` gives ``[block_v, Hp]`` with ``Hp`` as the MXU's output columns: where ``Hp`` is
         not a whole number of the MXU's width (H=896 on v6e's 256-wide MXUs: 3.5) the last pass is
         half empty, an eighth of that product wasted; ``x.T @ delta`` has ``block_v`` there (v6e,
-        Qwen2.5-0.5B's tied RL backward: 1.168 -> 1.136 of the MXU minimum, docs/benchmarks.md)."""
+        Qwen2.5-0.5B's tied RL backward: 1.168 -> 1.136 of the MXU minimum,
+        docs/notes/2026-11-27-tied-heads-backwards.md)."""
         return (self.w_layout == "vh" and self.hidden == self.hp and self.hp % self.mxu_side != 0
                 and self.block_v % self.mxu_side == 0)
 

@@ -77,8 +77,8 @@ class ForwardConfig(common.KernelConfig):
         dimension whole, the wrapper takes it instead (:func:`label_logits`: one row of ``w`` per
         token), and a streamed step saves a compare, a select, and the label state's load and store per
         logit register (v6e, Qwen3-0.6B's RL forward: 1.211 -> 1.065 of the MXU minimum,
-        docs/benchmarks.md). A ``[H, V]`` head's label column would be a strided gather, for which XLA
-        copies all of ``w``."""
+        docs/notes/2026-11-27-label-logit-beside-kernel.md). A ``[H, V]`` head's label column would be a
+        strided gather, for which XLA copies all of ``w``."""
         return self.w_layout == "hv" or self.nh > 1
 
     @property
@@ -264,7 +264,8 @@ def _label_gap(labels: jax.Array | None, block_start, cfg: ForwardConfig) -> jax
 
     Built inside each step's branch, not before the branches: a branch is its own basic block, and
     only there can libtpu's scheduler overlap these per-row broadcasts with the step's matmul (v6e,
-    1024/all/2048: 3.7% of a step when they came first, docs/benchmarks.md). None without labels.
+    1024/all/2048: 3.7% of a step when they came first, docs/notes/2026-11-27-label-gap.md). None without
+    labels.
     """
     if labels is None:
         return None

@@ -149,7 +149,7 @@ def balanced_rows(n: int, block_b: int) -> int:
     v6e's Llama-3 forward at 4100 tokens takes three 2048-row blocks (6144 rows of work, 7.36 ms by
     libtpu's static schedule) where three 1376-row blocks do the same job in 4.98 ms; v5p's backward
     at 269 tokens, two 256-row blocks against two 144-row ones, 0.385 against 0.288 ms
-    (docs/benchmarks.md, "Token blocks balanced over N").
+    (docs/notes/2026-11-26-balanced-token-blocks.md).
     """
     blocks = cdiv(n, block_b)
     if blocks == 1:
@@ -315,7 +315,8 @@ def rows_for_hidden(block_b: int, example_hp: int, hp: int) -> int:
     ``H=4096`` spends more of each step on that cost at ``H=1536``. The rule keeps the step's matmul
     work about what the tuner chose at the example: ``block_b x example_hp / hp``, rounded to the nearest
     power of two, never fewer rows than the entry's and at most :data:`MAX_SCALED_ROWS` (the tiles must
-    still fit the VMEM budget; :func:`_table_tiles` checks). Measured: docs/benchmarks.md, issue 25.
+    still fit the VMEM budget; :func:`_table_tiles` checks). Measured (issue 25):
+    docs/notes/2026-11-26-model-heads-hidden-size-rules.md, "Two rules for hidden sizes".
     """
     if hp >= example_hp:
         return block_b
@@ -340,7 +341,8 @@ def forward_steps_for_hidden(block_b: int, block_v: int, example_hp: int, hp: in
     side (columns on a tie), at most :data:`MAX_SCALED_FORWARD_ROWS` rows (and ``N``) and
     :data:`MAX_SCALED_FORWARD_COLUMNS` columns (and ``V``). v6e, 4096x1024x151936: the table's
     2048/all/2048 1.140 of the MXU minimum, 2048/all/4096 1.093, 4096/all/4096 1.076; v5e 1024/all/1024
-    1.074, 2048/all/2048 1.028 (docs/benchmarks.md, issue 25).
+    1.074, 2048/all/2048 1.028 (issue 25: docs/notes/2026-11-26-forward-steps-narrow-heads.md and
+    docs/notes/2026-11-26-vmem-model-fitted.md).
     """
     steps = [(block_b, block_v)]
     if hp >= example_hp:
@@ -393,7 +395,8 @@ def _backward_for_hidden(shape: Shape, compiled_at: Shape, backward: KernelTiles
     step's HBM traffic (``x`` and the float32 ``dx`` partial, once per vocab block) is a large share
     of its MXU time, and a wider block halves it per logit, which the tuner could not afford at its
     example's hidden size (v6e Qwen3-0.6B: 1024/512/2048 1.148 of the MXU minimum, 1024/512/4096
-    1.093; Qwen2.5-1.5B: 512/512/2048 1.124, 512/512/4096 1.081; docs/benchmarks.md, issue 25).
+    1.093; Qwen2.5-1.5B: 512/512/2048 1.124, 512/512/4096 1.081; issue 25:
+    docs/notes/2026-11-26-narrow-heads-backward-columns-and-buckets.md).
     """
     if shape.hp >= compiled_at.hp:
         return None

@@ -5,7 +5,8 @@ in a child process started with libtpu's static-profile flags (libtpu reads them
 process), reads the estimated cycles, executed bundles and DMA bytes back, and fits them to the
 full grid (:mod:`.grid_fit`). Each :class:`KernelSchedule` puts the cycles of a step beside the
 fewest its matmuls need on that generation's MXUs (:mod:`.chips`), and the step's HBM time beside
-its MXU time. The method: ``shared/notes/tpu-static-schedule.md``; the figures: docs/benchmarks.md.
+its MXU time. The method: ``shared/notes/tpu-static-schedule.md``; the figures: docs/benchmarks.md ("TPU:
+libtpu's static schedule") and the notes it links (docs/notes/).
 """
 
 from __future__ import annotations
