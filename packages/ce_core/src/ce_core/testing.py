@@ -7,13 +7,15 @@ can be checked against them. :func:`random_problem` draws inputs whose logits ar
 loss with every option of a :class:`Case` and asserts it matches the oracle (value, gradients,
 dtypes) within :data:`TOLERANCES`. A new backend's test suite can be a loop over cases.
 :class:`CompileResult` and :func:`compile_program` time a compile and read the memory it needs,
-which tests can bound exactly (``memory_analysis()`` is deterministic).
+which tests can bound exactly (``memory_analysis()`` is deterministic). :func:`covering_array` turns a
+product of options into the few rows that still meet every pair of values once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +31,7 @@ __all__ = [
     "CompileResult",
     "compare_with_oracle",
     "compile_program",
+    "covering_array",
     "log_probs_oracle",
     "max_rel_error",
     "oracle",
@@ -354,3 +357,45 @@ def compare_with_oracle(
         tol = loss_tol if name == "loss" else grad_tol
         assert error <= tol, f"{backend} {case} {dtype}: {name} rel error {error:.3g} > {tol:g} ({errors})"
     return errors
+
+
+def covering_array(factors: Mapping[str, Sequence[Any]], *,
+                   require: Sequence[Sequence[str]] = ()) -> list[dict[str, Any]]:
+    """Rows (one value per factor) in which every pair of values of any two factors meets at least once.
+
+    A test over the full product of ``factors`` grows as the product of their sizes; these rows grow
+    roughly as the product of the two largest, and still catch every fault that needs two options
+    together. ``require`` names groups of factors whose full product must appear as well (for example
+    ``("backend", "placement", "reduction")``, so every reduction runs on every backend in every
+    placement). Deterministic: the same arguments give the same rows, in an order that puts the first
+    value of every factor in the first row (greedy, in the manner of AETG, with ties broken by order).
+    """
+    names = list(factors)
+    values = {name: list(options) for name, options in factors.items()}
+    for name, options in values.items():
+        if not options:
+            raise ValueError(f"covering_array: factor {name!r} has no values")
+    groups = [(name,) for name in names] + [tuple(pair) for pair in itertools.combinations(names, 2)]
+    for group in require:
+        unknown = [name for name in group if name not in values]
+        if unknown:
+            raise ValueError(f"covering_array: require names {unknown}, which are not factors: {names}")
+        groups.append(tuple(group))
+    # What must still be covered: (group, indices of its values), as index tuples.
+    uncovered = {(group, combo) for group in groups
+                 for combo in itertools.product(*(range(len(values[name])) for name in group))}
+
+    def newly_covered(row: dict[str, int]) -> set[tuple[tuple[str, ...], tuple[int, ...]]]:
+        return {(group, combo) for group, combo in uncovered
+                if all(name in row for name in group) and tuple(row[name] for name in group) == combo}
+
+    rows: list[dict[str, int]] = []
+    while uncovered:
+        group, combo = min(uncovered, key=lambda item: (-len(item[0]), names.index(item[0][0]), item))
+        row = dict(zip(group, combo, strict=True))
+        for name in names:
+            if name not in row:
+                row[name] = max(range(len(values[name])), key=lambda i, n=name: (len(newly_covered({**row, n: i})), -i))
+        uncovered -= newly_covered(row)
+        rows.append(row)
+    return [{name: values[name][row[name]] for name in names} for row in rows]
