@@ -3,17 +3,26 @@
 JAX sees 8 simulated CPU devices, so the sharding tests can build real meshes on one machine
 (the flag is read when JAX first initialises its CPU backend, which happens after this file runs).
 
+``backend_name`` tests run on every backend available here; ``@pytest.mark.covering`` tests run the
+rows of a covering array over their factors (:func:`pytest_generate_tests`).
+
 With ``CE_FAIL_ON_SKIP=1`` (set by ``.ci/run``) a skipped test fails the run: in CI every test,
 the TPU interpret-mode and ahead-of-time ones included, must really run.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
+import ce_core
 from ce_core.contract.tpu_host import quiet_libtpu_without_tpu
+from ce_core.testing import covering_array
 
 # Deviceless TPU compiles load libtpu, which refuses to start while another process holds its
 # lockfile; no TPU is driven here, so several loads are safe.
@@ -31,7 +40,119 @@ if _DEVICE_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
 
 
+def backends_for(module: object) -> list[str]:
+    """The backends a module's ``backend_name`` tests run: every one available here.
+
+    pallas_tpu joins on CPU only with ``CE_PALLAS_TPU_INTERPRET=1`` (CI's interpreter tier sets it, with
+    ``CE_PALLAS_TPU_TARGET=v5p``; its own package tests set it per test). A module that sets
+    ``EIGHT_DEVICE_MESHES = True`` runs its ``backend_name`` tests on 8 simulated devices, where Pallas'
+    race-checked TPU interpreter deadlocks in its cross-device barrier (and the generic interpreter is
+    refused inside shard_map): there interpreted pallas_tpu is left out, and the module covers it with
+    its own 4-device tests instead.
+    """
+    names = list(ce_core.available_backends())
+    if getattr(module, "EIGHT_DEVICE_MESHES", False) and os.environ.get("CE_PALLAS_TPU_INTERPRET"):
+        return [name for name in names if name != "pallas_tpu"]
+    return names
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--backend", action="append", default=[], metavar="NAME",
+                     help="run only the backend_name tests, and those only on this backend (repeatable); CI's "
+                          "interpreter tier runs the cross-package suite this way with pallas_tpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--backend``, keep only the items parametrised with one of those ``backend_name`` values."""
+    wanted = config.getoption("--backend")
+    if not wanted:
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        (keep if params is not None and params.params.get("backend_name") in wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrise ``backend_name`` over :func:`backends_for` the test's module.
+
+    A test marked ``@pytest.mark.covering(factor=values, ..., require=[(factor, ...), ...])`` runs the
+    rows of :func:`ce_core.testing.covering_array` over its factors (``backend_name`` among them when
+    the test takes it) instead of their full product: every pair of values meets once, and each group
+    in ``require`` runs its full product. With ``backends="turns"`` the backends are not a factor but
+    take turns over the rows (each backend runs, and each row runs once), for tests whose other factors
+    already meet every backend elsewhere and cost seconds a row (eager calls on a mesh).
+    """
+    covering = metafunc.definition.get_closest_marker("covering")
+    if "backend_name" not in metafunc.fixturenames and covering is None:
+        return
+    backends = backends_for(metafunc.module) if "backend_name" in metafunc.fixturenames else None
+    if covering is None:
+        metafunc.parametrize("backend_name", backends or [])
+        return
+    options = dict(covering.kwargs)
+    require, turns = options.pop("require", ()), options.pop("backends", "pairs") == "turns"
+    factors: dict[str, Sequence[object]] = dict(options)
+    if backends is not None and not turns:
+        factors = {"backend_name": backends, **factors}
+    rows = covering_array(factors, require=require)
+    if backends is not None and turns:
+        rows = [{"backend_name": backends[k % len(backends)], **rows[k % len(rows)]}
+                for k in range(max(len(rows), len(backends)))]
+    metafunc.parametrize(list(rows[0]), [tuple(row.values()) for row in rows],
+                         ids=["-".join(f"{value}" for value in row.values()) for row in rows])
+
+
+@pytest.fixture(autouse=True)
+def _no_races_in_interpreted_pallas_tpu(request: pytest.FixtureRequest):
+    """A ``backend_name == "pallas_tpu"`` test run in the race-checked interpreter fails on a race."""
+    yield
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("backend_name") != "pallas_tpu":
+        return
+    if os.environ.get("CE_PALLAS_TPU_INTERPRET") == "1":
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+        from jax.experimental.pallas import tpu as pltpu
+
+        races = interpret_pallas_call.races
+        pltpu.reset_tpu_interpret_mode_state()
+        assert races is None or not races.races_found, "the TPU interpreter found a race"
+
+
+# The test tools (tools/, not a package): the TPU compile cache, the feature-coverage recorder.
+sys.path.insert(0, str(Path(__file__).parent / "tools"))
+compile_cache = importlib.import_module("compile_cache")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    compile_cache.install()  # each distinct TPU program compiled once per process
+
+
+def pytest_testnodedown(node: object, error: object) -> None:
+    """(xdist controller) Add up the compile cache's counts of a worker that finished."""
+    worker_stats = getattr(node, "workeroutput", {}).get("compile_cache")
+    for key, value in (worker_stats or {}).items():
+        _TOTALS[key] = _TOTALS.get(key, 0) + value
+
+
+_TOTALS: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    totals = _TOTALS or compile_cache.STATS
+    if totals.get("compiled") or totals.get("reused"):
+        terminalreporter.write_line(
+            f"TPU programs: {totals['compiled']:.0f} compiled ({totals['seconds_compiling']:.0f} s), "
+            f"{totals['reused']:.0f} reused from the session's compile cache ({totals['seconds_saved']:.0f} s saved)")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand the compile cache's counts to the controller
+        workeroutput["compile_cache"] = dict(compile_cache.STATS)
     if os.environ.get("CE_FAIL_ON_SKIP") != "1":
         return
     reporter: pytest.TerminalReporter | None = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,26 +10,8 @@ from types import ModuleType
 
 import pytest
 
-import ce_core
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Parametrise ``backend_name`` over every backend available on this platform.
-
-    pallas_tpu joins on CPU only with ``CE_PALLAS_TPU_INTERPRET=1``; its own package tests set that.
-    A module that sets ``EIGHT_DEVICE_MESHES = True`` runs its ``backend_name`` tests on 8 simulated
-    devices, where Pallas' race-checked TPU interpreter deadlocks in its cross-device barrier (and the
-    generic interpreter is refused inside shard_map): there interpreted pallas_tpu is left
-    out of ``backend_name``, and the module covers it with its own 4-device tests instead.
-    """
-    if "backend_name" in metafunc.fixturenames:
-        names = ce_core.available_backends()
-        if getattr(metafunc.module, "EIGHT_DEVICE_MESHES", False) and os.environ.get("CE_PALLAS_TPU_INTERPRET"):
-            names = [name for name in names if name != "pallas_tpu"]
-        metafunc.parametrize("backend_name", names)
 
 
 def _load_script(path: Path) -> ModuleType:
