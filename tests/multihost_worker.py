@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import ce_core
 from ce_core import linear_cross_entropy, linear_log_probs, sharded_linear_cross_entropy
-from ce_core.testing import log_probs_oracle, max_rel_error, oracle, random_problem
+from ce_core.testing import covering_array, log_probs_oracle, max_rel_error, oracle, random_problem
 
 #: Short jax.distributed timeouts: a dead peer must end the job within a minute, not the defaults' minutes.
 HEARTBEAT_TIMEOUT_S = 10
@@ -64,6 +64,8 @@ def main() -> None:
 
 
 BACKENDS = ("reference", "xla")
+#: auto_stated: Auto axes with in_specs = the inputs' layout.
+MODES = ("explicit", "auto", "auto_stated")
 BATCH, H, V = (4, 6), 48, 320
 
 
@@ -101,20 +103,23 @@ class Checks:
         self.expected = oracle(self.x, self.labels, self.w, **OPTIONS)
         self.meshes = {
             mode: jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
-            for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto),
-                                    ("auto_stated", AxisType.Auto))
+            for mode, axis_type in zip(MODES, (AxisType.Explicit, AxisType.Auto, AxisType.Auto), strict=True)
         }
 
     def run(self) -> None:
+        """Every backend, mode and layout, each pair of them at least once (a covering array); eager calls,
+        which run op by op across the processes (15-20 s each), once per mode and entry point, the backends
+        taking turns."""
+        for row in covering_array({"backend": BACKENDS, "mode": MODES, "layout": tuple(LAYOUTS)}):
+            self.case(f"{row['backend']} jit {row['mode']} {row['layout']}", self.jitted_step, *row.values())
+        for mode, backend in zip(MODES, BACKENDS * 2, strict=False):
+            self.case(f"{backend} eager {mode}", self.eager_step, backend, mode)
+        for backend, jitted in zip(BACKENDS, (False, True), strict=True):
+            self.case(f"{backend} sharded_linear_cross_entropy {'jit' if jitted else 'eager'}", self.sharded_call,
+                      backend, jitted)
+        for backend, jitted in zip(BACKENDS, (True, False), strict=True):
+            self.case(f"{backend} linear_log_probs {'jit' if jitted else 'eager'}", self.log_probs, backend, jitted)
         for backend in BACKENDS:
-            for mode in ("explicit", "auto", "auto_stated"):  # auto_stated: in_specs = the inputs' layout
-                for layout in LAYOUTS:
-                    self.case(f"{backend} jit {mode} {layout}", self.jitted_step, backend, mode, layout)
-                self.case(f"{backend} eager {mode}", self.eager_step, backend, mode)
-            self.case(f"{backend} sharded_linear_cross_entropy eager", self.sharded_call, backend, False)
-            self.case(f"{backend} sharded_linear_cross_entropy jit", self.sharded_call, backend, True)
-            self.case(f"{backend} linear_log_probs eager", self.log_probs, backend, False)
-            self.case(f"{backend} linear_log_probs jit", self.log_probs, backend, True)
             if (ce_core.get_backend(backend).contract_version or 0) >= 3:
                 self.case(f"{backend} jit explicit w_layout=vh return_argmax", self.tied_argmax, backend)
         self.case("bad label named by the process that holds it", self.bad_label)

@@ -54,17 +54,13 @@ def check_log_probs(backend, x, labels, w, *, dtype="float32", return_entropy=Tr
     return logp, entropy
 
 
-@pytest.mark.parametrize("cap", [None, 2.0])
-@pytest.mark.parametrize("temperature", TEMPERATURES)
-def test_log_probs_and_entropy_float32(backend_name, temperature, cap):
-    x, labels, w = random_problem(0, (37,), 48, 203, ignore_fraction=0.2)  # ragged N and V
-    check_log_probs(backend_name, x, labels, w, temperature=temperature, logit_soft_cap=cap)
-
-
-@pytest.mark.parametrize("temperature", TEMPERATURES)
-def test_log_probs_and_entropy_bfloat16(backend_name, temperature):
-    x, labels, w = random_problem(1, (3, 11), 64, 130, ignore_fraction=0.2)
-    check_log_probs(backend_name, x, labels, w, dtype="bfloat16", temperature=temperature, logit_soft_cap=2.0)
+@pytest.mark.covering(temperature=TEMPERATURES, cap=(None, 2.0), dtype=("float32", "bfloat16"))
+def test_log_probs_and_entropy(backend_name, temperature, cap, dtype):
+    if dtype == "float32":
+        x, labels, w = random_problem(0, (37,), 48, 203, ignore_fraction=0.2)  # ragged N and V
+    else:
+        x, labels, w = random_problem(1, (3, 11), 64, 130, ignore_fraction=0.2)
+    check_log_probs(backend_name, x, labels, w, dtype=dtype, temperature=temperature, logit_soft_cap=cap)
 
 
 def test_log_probs_alone_does_not_need_the_entropy_statistic(backend_name):

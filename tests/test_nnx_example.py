@@ -13,6 +13,9 @@ from flax import nnx
 
 from ce_core.testing import max_rel_error
 
+#: One worker runs the module, so its pretraining and rollout fixtures are computed once.
+pytestmark = pytest.mark.xdist_group("nnx_example")
+
 
 @pytest.fixture(scope="module")
 def example(load_example):
@@ -76,7 +79,7 @@ def expected_policy_gradient(example, rl_setup):
     return policy_loss_and_grads(example, rl_setup, example.materialised_log_probs)
 
 
-@pytest.mark.parametrize("temperatures", ["per_sequence", 0.8])
+@pytest.mark.covering(temperatures=("per_sequence", 0.8), backends="turns")
 def test_rl_log_probs_and_entropy_match_float64(example, rl_setup, backend_name, temperatures):
     graphdef, params, rl, batch, _ = rl_setup
     if temperatures == "per_sequence":

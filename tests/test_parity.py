@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,32 +10,24 @@ import pytest
 from ce_core import linear_cross_entropy
 from ce_core.testing import Case, compare_with_oracle, random_problem
 
-FEATURE_CASES = [
-    Case(reduction, weights, zloss, cap, smoothing)
-    for reduction, weights, zloss, cap, smoothing in itertools.product(
-        ("mean", "sum", "none"), (False, True), (0.0, 1e-3), (None, 2.0), (0.0, 0.1)
-    )
-]
+#: Every option of the loss; each test runs the rows of a covering array over them and the backends.
+FEATURES = dict(reduction=("mean", "sum", "none"), use_weights=(False, True), logsumexp_weight=(0.0, 1e-3),
+                logit_soft_cap=(None, 2.0), label_smoothing=(0.0, 0.1), dtype=("float32", "bfloat16"))
 
 
-@pytest.mark.parametrize("case", FEATURE_CASES, ids=str)
-def test_every_feature_float32(backend_name, case):
-    x, labels, w = random_problem(0, (37,), 48, 203)
-    compare_with_oracle(backend_name, case, x, labels, w)
+@pytest.mark.covering(**FEATURES)
+def test_every_feature(backend_name, reduction, use_weights, logsumexp_weight, logit_soft_cap, label_smoothing,
+                       dtype):
+    """Every pair of options (and of an option and a backend) meets in one of these cases."""
+    case = Case(reduction, use_weights, logsumexp_weight, logit_soft_cap, label_smoothing)
+    x, labels, w = random_problem(0, (37,), 48, 203) if dtype == "float32" else random_problem(1, (29,), 64, 130)
+    compare_with_oracle(backend_name, case, x, labels, w, dtype=dtype)
 
 
-@pytest.mark.parametrize("case", FEATURE_CASES[::3], ids=str)
-def test_bfloat16(backend_name, case):
-    x, labels, w = random_problem(1, (29,), 64, 130)
-    compare_with_oracle(backend_name, case, x, labels, w, dtype="bfloat16")
-
-
-@pytest.mark.parametrize(
-    "batch_shape,hidden,vocab",
-    [((1,), 8, 5), ((3, 5), 16, 1000), ((2, 3, 7), 24, 3001), ((127,), 129, 257), ((64,), 33, 2)],
-)
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_awkward_shapes(backend_name, batch_shape, hidden, vocab, reduction):
+@pytest.mark.covering(shape=[((1,), 8, 5), ((3, 5), 16, 1000), ((2, 3, 7), 24, 3001), ((127,), 129, 257),
+                             ((64,), 33, 2)], reduction=("mean", "none"))
+def test_awkward_shapes(backend_name, shape, reduction):
+    batch_shape, hidden, vocab = shape
     x, labels, w = random_problem(2, batch_shape, hidden, vocab)
     compare_with_oracle(backend_name, Case(reduction=reduction, label_smoothing=0.05), x, labels, w)
 
@@ -47,8 +37,7 @@ def test_eager_matches_jit(backend_name):
     compare_with_oracle(backend_name, Case(logsumexp_weight=1e-4), x, labels, w, jit=False)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.covering(reduction=("mean", "sum", "none"), dtype=("float32", "bfloat16"))
 def test_all_ignored_gives_zero_loss_and_zero_gradients(backend_name, reduction, dtype):
     x, _, w = random_problem(4, (3, 11), 40, 99)
     labels = np.full((3, 11), -100, np.int32)

@@ -125,8 +125,7 @@ def assert_matches_oracle(loss, dx, dw, expected, tol=(1e-5, 1e-4)):
     assert max_rel_error(dw, expected["dw"]) < tol[1]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.covering(mode=MODES, layout=tuple(LAYOUTS))
 def test_plain_call_follows_the_callers_layout(backend_name, mode, layout):
     x_spec, w_spec, gathered_w = LAYOUTS[layout]
     x, labels, w = random_problem(0, (4, 6), H, V)
@@ -171,7 +170,7 @@ def test_per_token_losses_and_lse_stay_split_like_the_labels(backend_name, mode)
         assert same_layout(losses, P("data", None)) and same_layout(lse, P("data", None))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.covering(mode=MODES, backends="turns")
 def test_eager_calls_on_sharded_arrays(backend_name, mode):
     mesh = make_mesh(mode)
     x, labels, w = random_problem(2, (4, 6), H, V)
@@ -185,7 +184,7 @@ def test_eager_calls_on_sharded_arrays(backend_name, mode):
     assert_matches_oracle(loss, dx, dw, oracle(x, labels, w))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.covering(mode=MODES, backends="turns")
 def test_a_one_device_mesh(backend_name, mode):
     """Explicit axes of size 1 still type arrays as split along them; the call must not trip on that."""
     mesh = make_mesh(mode, (1, 1))
@@ -241,7 +240,7 @@ def test_stated_layouts_that_do_not_fit_the_mesh_are_refused_by_name():
         linear_cross_entropy(x[:20], labels, w, in_specs=(P("data", None), P()))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.covering(mode=MODES, backends="turns")
 def test_vmap_and_checkpoint_inside_a_sharded_step(backend_name, mode):
     mesh = make_mesh(mode)
     x, labels, w = random_problem(4, (2, 4, 6), H, V)  # vmapped over the first axis: per-example gradients
@@ -265,10 +264,11 @@ def assert_per_example_gradients(mode, mesh, grads, x, labels, w):
 # --- pallas_tpu: interpret mode on a 2x2 mesh --------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["data_x_vocab", "fsdp"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,layout", [("explicit", "data_x_vocab"), ("auto", "fsdp"),
+                                         ("auto_set_mesh", "data_x_vocab"), ("auto_stated", "fsdp")])
 def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
-    """Every mode runs the race-checked TPU interpreter per shard: the shard_map a TPU runs."""
+    """Every mode runs the race-checked TPU interpreter per shard (the shard_map a TPU runs); each layout,
+    vocab-parallel and FSDP, under Explicit and Auto axes."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
     from ce_pallas_tpu import ops
@@ -325,8 +325,7 @@ def _sgd_step(params, inputs, labels, backend, specs):
     return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
 
 
-@pytest.mark.parametrize("layout", ["data_x_vocab", "fsdp_x_vocab"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.covering(mode=MODES, layout=("data_x_vocab", "fsdp_x_vocab"))
 def test_sharded_training_steps_give_the_unsharded_parameters(backend_name, mode, layout):
     rng = np.random.default_rng(7)
     inputs = rng.standard_normal((8, 5, 16)).astype(np.float32)
@@ -389,7 +388,13 @@ def v5p_2x2x1():
     return topology_devices("v5p:2x2x1")
 
 
+#: The v5p compiles share programs (a stated layout compiles to the Explicit-axes program): one worker
+#: runs them all, so the session's compile cache (tools/compile_cache.py) compiles each once.
+ON_ONE_WORKER = pytest.mark.xdist_group("v5p_2x2x1")
+
+
 @pytest.mark.slow
+@ON_ONE_WORKER
 @pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
 @pytest.mark.parametrize("mesh_shape,w_spec", [((2, 2), P(None, "model")), ((4, 1), P(None, None))],
                          ids=["data_x_vocab", "data_only"])
@@ -439,12 +444,12 @@ def compile_under_auto_axes(devices, generation, backend, w_spec, stated):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
-@pytest.mark.parametrize("w_layout", AUTO_W_LAYOUTS)
-@pytest.mark.parametrize("stated", [False, True], ids=["default", "stated"])
+@ON_ONE_WORKER
+@pytest.mark.covering(w_layout=tuple(AUTO_W_LAYOUTS), stated=(False, True), backend=("pallas_tpu", "xla"))
 def test_auto_axes_compile_for_a_v5p_topology_within_the_memory_bound(monkeypatch, v5p_2x2x1, backend, w_layout,
                                                                       stated):
-    """GSPMD on TPU: the Auto-axes call compiles for 4 v5p chips, gathering at most w, within the bound.
+    """GSPMD on TPU: the Auto-axes call compiles for 4 v5p chips, gathering at most w, within the bound
+    (every layout, default and stated, each pair of them and of a backend once).
 
     The bound is ``4HV/k + 8(N/d)H + 64 MiB`` per device, ``d`` the caller's token split and ``k`` the
     vocab split of the layout run: the caller's when stated, 1 under the default (which gathers w).
@@ -458,10 +463,12 @@ def test_auto_axes_compile_for_a_v5p_topology_within_the_memory_bound(monkeypatc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
-@pytest.mark.parametrize("w_layout,stated", [("replicated", False), ("vocab", True), ("fsdp", False)])
+@pytest.mark.parametrize("backend,w_layout,stated", [("pallas_tpu", "replicated", False),
+                                                     ("pallas_tpu", "vocab", True)])
 def test_auto_axes_compile_for_a_v6e_topology_within_the_memory_bound(monkeypatch, v6e_2x2, backend, w_layout,
                                                                       stated):
+    """The same on 4 v6e chips with the Pallas kernels: the default layout and a stated vocab-parallel one
+    (the FSDP layout and the xla backend are compiled for v5p above, and xla for v6e in ce_xla's tests)."""
     monkeypatch.delenv("CE_PALLAS_TPU_INTERPRET", raising=False)
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v6e")
     w_spec, vocab_split = AUTO_W_LAYOUTS[w_layout]

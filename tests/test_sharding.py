@@ -41,9 +41,11 @@ def make_mesh(data: int, vocab: int) -> Mesh:
     return Mesh(np.array(devices[: data * vocab]).reshape(data, vocab), ("data", "vocab"))
 
 
-@pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("case", SHARDED_CASES, ids=str)
+@pytest.mark.parametrize("mesh_shape,case", [(MESH_SHAPES[k % len(MESH_SHAPES)], case)
+                                             for k, case in enumerate(SHARDED_CASES)],
+                         ids=[f"{MESH_SHAPES[k % len(MESH_SHAPES)]}-case{k}" for k in range(len(SHARDED_CASES))])
 def test_sharded_matches_oracle(mesh_shape, case):
+    """Each case on one mesh shape, every shape used."""
     loss_fn = functools.partial(sharded_linear_cross_entropy, mesh=make_mesh(*mesh_shape), batch_axes="data",
                                 vocab_axis="vocab")
     x, labels, w = random_problem(0, (4, 10), 32, 200)
@@ -87,13 +89,14 @@ def test_dw_comes_back_sharded_like_w():
 def test_return_lse_and_all_ignored():
     mesh = make_mesh(2, 4)
     x, labels, w = random_problem(4, (2, 5), 8, 40)
-    loss, lse = sharded_linear_cross_entropy(x, labels, w, mesh=mesh, vocab_axis="vocab", return_lse=True)
+    loss, lse = jax.jit(lambda x_, w_: sharded_linear_cross_entropy(x_, labels, w_, mesh=mesh, vocab_axis="vocab",
+                                                                    return_lse=True))(x, w)
     expected = oracle(x, labels, w)
     assert max_rel_error(lse, expected["lse"]) < 1e-6 and lse.shape == labels.shape
     assert max_rel_error(loss, expected["loss"]) < 1e-6
     ignored = np.full_like(labels, -100)
-    value, grad = jax.value_and_grad(
-        lambda w_: sharded_linear_cross_entropy(x, ignored, w_, mesh=mesh, vocab_axis="vocab"))(w)
+    value, grad = jax.jit(jax.value_and_grad(
+        lambda w_: sharded_linear_cross_entropy(x, ignored, w_, mesh=mesh, vocab_axis="vocab")))(w)
     assert float(value) == 0.0 and not np.asarray(grad).any()
 
 
@@ -221,21 +224,21 @@ def _make_mesh(axis_type, shape=(2, 4)):
     return jax.make_mesh(shape, ("data", "vocab"), axis_types=(axis_type,) * 2, devices=jax.devices("cpu")[:8])
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto], ids=str)
-def test_wrapper_takes_a_make_mesh_mesh_and_ordinary_arrays(backend_name, axis_type, jit):
+@pytest.mark.covering(axis_type=(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto), call=("eager", "jit"))
+def test_wrapper_takes_a_make_mesh_mesh_and_ordinary_arrays(backend_name, axis_type, call):
     mesh = _make_mesh(axis_type)
     loss_fn = functools.partial(sharded_linear_cross_entropy, mesh=mesh, vocab_axis="vocab")
     x, labels, w = random_problem(11, (3, 11), 48, 328)
-    compare_with_oracle(backend_name, SHARDED_CASES[-1], x, labels, w, loss_fn=loss_fn, jit=jit)
+    compare_with_oracle(backend_name, SHARDED_CASES[-1], x, labels, w, loss_fn=loss_fn, jit=call == "jit")
 
 
-@pytest.mark.parametrize("x_spec,w_spec", [
+@pytest.mark.covering(specs=[
     (PartitionSpec("data", None), PartitionSpec("data", None)),  # FSDP: w split over H
     (PartitionSpec(None, "vocab"), PartitionSpec("vocab", None)),  # both split the "wrong" way
     (PartitionSpec(("data", "vocab"), None), PartitionSpec(None, ("data", "vocab"))),
-], ids=["fsdp", "transposed", "all_axes"])
-def test_wrapper_reshards_inputs_laid_out_otherwise_under_explicit_axes(backend_name, x_spec, w_spec):
+], backends="turns")
+def test_wrapper_reshards_inputs_laid_out_otherwise_under_explicit_axes(backend_name, specs):
+    x_spec, w_spec = specs
     mesh = _make_mesh(jax.sharding.AxisType.Explicit)
     x, labels, w = random_problem(12, (32,), 48, 320)
     options = LossOptions(label_smoothing=0.1, logsumexp_weight=1e-3)

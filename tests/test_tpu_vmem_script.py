@@ -22,9 +22,9 @@ def test_the_cases_are_distinct_seeded_and_within_reach_of_the_core(load_benchma
 @pytest.mark.slow
 def test_it_compiles_and_compares_a_few_kernels(load_benchmark_script, capsys):
     script = load_benchmark_script("tpu_vmem_model.py")
-    script.main(["--targets", "v4", "--count", "2", "--seed", "3"])
+    script.main(["--targets", "v4", "--count", "1", "--seed", "3"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| v4 |")]
-    assert len(rows) == 2 + len({row.split("|")[2] for row in rows[:2]})  # two kernels, then the summary
-    for row in rows[:2]:
+    assert len(rows) == 2  # one kernel, then the summary
+    for row in rows[:1]:
         used, model, ratio = (float(cell) for cell in row.strip("|").split("|")[5:8])
         assert 0 < used <= model and ratio == pytest.approx(model / used, abs=0.01)

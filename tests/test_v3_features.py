@@ -54,18 +54,6 @@ class Feature:
     argmax: bool = True
     lse: bool = False
 
-    def __str__(self) -> str:
-        return f"{self.layout}-cap{self.cap}-T{self.temperature}-{self.reduction}{'-lse' if self.lse else ''}"
-
-
-FEATURES = [
-    Feature(),  # x rows scaled by 1/T_i, fused reduced path with argmax
-    Feature(cap=2.0, temperature="sequence", reduction="none", lse=True),  # row_scale, per-token path
-    Feature(layout="hv", cap=2.0, temperature="token"),  # row_scale on the fused path
-    Feature(cap=3.0, temperature="scalar", reduction="mean"),
-]
-
-
 def temperature_of(feature: Feature, seed: int = 3) -> Any:
     rng = np.random.default_rng(seed)
     if feature.temperature == "scalar":
@@ -168,9 +156,16 @@ def run_placement(placement: str, backend: str, feature: Feature, x, labels, w, 
         return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))(xs, ws, t_arg)
 
 
-@pytest.mark.parametrize("feature", FEATURES, ids=str)
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_features_on_every_placement(backend_name, placement, feature):
+@pytest.mark.covering(placement=PLACEMENTS, layout=("vh", "hv"), cap=(None, 2.0),
+                      temperature=("token", "sequence", "scalar"), reduction=("sum", "none", "mean"), lse=(False, True),
+                      require=[*(("backend_name", "placement", feature) for feature in
+                                 ("layout", "cap", "temperature", "reduction")),
+                               ("cap", "temperature", "reduction")])
+def test_features_on_every_placement(backend_name, placement, layout, cap, temperature, reduction, lse):
+    """Every value of every feature runs on every backend in every placement, every pair of values meets,
+    and a soft cap with a per-token temperature (the row scale) meets every reduction (the fused and the
+    per-token path): 39 rows instead of the full product's 1,728."""
+    feature = Feature(layout, cap, temperature, reduction, lse=lse)
     x, labels, w_hv = random_problem(11, (B, S), H, V)
     w = w_hv if feature.layout == "hv" else np.ascontiguousarray(w_hv.T)
     temperature = temperature_of(feature)
@@ -213,8 +208,7 @@ def tie_problem(layout: str):
     return x, labels, (w if layout == "hv" else np.ascontiguousarray(w.T)), expected
 
 
-@pytest.mark.parametrize("layout", ["hv", "vh"])
-@pytest.mark.parametrize("placement", ["local", "shard_map", "explicit", "wrapper"])
+@pytest.mark.covering(placement=("local", "shard_map", "explicit", "wrapper"), layout=("hv", "vh"))
 def test_argmax_ties_take_the_lowest_global_index_across_vocab_shards(backend_name, placement, layout):
     x, labels, w, expected = tie_problem(layout)
     z = np.einsum("bsh,hv->bsv", x.astype(np.float64), w if layout == "hv" else w.T)
@@ -225,7 +219,7 @@ def test_argmax_ties_take_the_lowest_global_index_across_vocab_shards(backend_na
     np.testing.assert_array_equal(outputs[1], expected)
 
 
-@pytest.mark.parametrize("placement", ["local", "wrapper", "auto_default"])
+@pytest.mark.covering(placement=("local", "wrapper", "auto_default"), backends="turns")
 def test_all_ignored_batch_gives_zero_loss_and_minus_one_argmax(backend_name, placement):
     x, _, w_hv = random_problem(5, (B, S), H, V)
     labels = np.full((B, S), -100, np.int32)
@@ -325,7 +319,7 @@ def test_tied_embedding_gradient_matches_materialised_logits(backend_name):
     assert max_rel_error(grad, want_grad) < 1e-4
 
 
-@pytest.mark.parametrize("placement", ["local", "explicit", "auto_stated", "shard_map"])
+@pytest.mark.covering(placement=("local", "explicit", "auto_stated", "shard_map"), backends="turns")
 def test_log_probs_with_vh_and_per_token_temperature(backend_name, placement):
     x, labels, w_hv = random_problem(9, (B, S), H, V)
     w = np.ascontiguousarray(w_hv.T)
@@ -463,10 +457,13 @@ def test_stated_in_specs_split_the_vh_vocab_dimension():
 # --- pallas_tpu: the race-checked TPU interpreter on a 2 x 2 mesh --------------------------------
 
 
-@pytest.mark.parametrize("feature", FEATURES[:3], ids=str)
-@pytest.mark.parametrize("placement", ["local", "explicit", "auto_stated", "wrapper"])
-def test_pallas_tpu_features_in_the_tpu_interpreter(monkeypatch, placement, feature):
-    """The kernels' [V, H] blocks, argmax and row scale through the public API, per shard."""
+@pytest.mark.covering(placement=("local", "explicit", "auto_stated", "wrapper"), layout=("vh", "hv"),
+                      row_scale=(False, True), reduction=("sum", "none"))
+def test_pallas_tpu_features_in_the_tpu_interpreter(monkeypatch, placement, layout, row_scale, reduction):
+    """The kernels' [V, H] blocks, argmax and row scale (a soft cap with a per-token temperature; without
+    one, ``x``'s rows are scaled) on the fused and the per-token path, per shard: each pair meets once."""
+    feature = Feature(layout, 2.0 if row_scale else None, "token" if row_scale or reduction == "sum" else "sequence",
+                      reduction, lse=reduction == "none")
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")

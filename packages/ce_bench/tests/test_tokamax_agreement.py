@@ -37,9 +37,7 @@ def _loss_and_grads(loss_fn, x, labels, w, reduction):
     return loss, dx, dw
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("tokamax_impl", ["xla", "chunked_xla"])
-@pytest.mark.parametrize("ours", OURS)
+@pytest.mark.covering(ours=OURS, tokamax_impl=("xla", "chunked_xla"), reduction=("mean", "sum", "none"))
 def test_plain_cross_entropy_agrees_with_tokamax(ours: str, tokamax_impl: str, reduction: str) -> None:
     vocab = 1000 if tokamax_impl == "xla" else 2048  # see the module docstring for chunked_xla
     x, labels, w = random_problem(3, (200,), 64, vocab, ignore_fraction=0.0)

@@ -91,7 +91,8 @@ def _oracle(x, w, labels, spec: StatsSpec, scale):
 
 
 # (target, blocks, features, soft cap, dtype): every feature alone and all together, both kernels,
-# one and two cores, soft cap on and off, float32 and bf16.
+# one and two cores, soft cap on and off, float32 and bf16. The fast tier runs the first two (every
+# feature together, on each kernel); CI's interpreter tier (``pytest -m interpreter``) all of them.
 CASES = [
     ("v5p", STREAMED, ALL, 3.0, "float32"),
     ("v5e", BLOCKED, ALL, None, "bfloat16"),
@@ -132,7 +133,9 @@ def _features_match_oracle(interpret, target, blocks, features, cap, dtype) -> N
     assert not _races_found()
 
 
-@pytest.mark.parametrize("target,blocks,features,cap,dtype", CASES, ids=_case_id)
+@pytest.mark.parametrize("target,blocks,features,cap,dtype",
+                         [row if k < 2 else pytest.param(*row, marks=pytest.mark.interpreter)
+                          for k, row in enumerate(CASES)], ids=_case_id)
 def test_features_match_the_oracle(interpret, target, blocks, features, cap, dtype):
     _features_match_oracle(interpret, target, blocks, features, cap, dtype)
 
@@ -199,8 +202,8 @@ TIE_BLOCKS = {"streamed": BlockSizes(32, None, 128), "blocked": BlockSizes(32, 1
 
 @pytest.mark.parametrize("target,kernel,layout,cap,dtype", [
     ("v5p", "streamed", "vh", None, "float32"),
-    ("v5p", "blocked", "hv", 3.0, "bfloat16"),
-    ("v5e", "streamed", "hv", 3.0, "bfloat16"),
+    pytest.param("v5p", "blocked", "hv", 3.0, "bfloat16", marks=pytest.mark.interpreter),
+    pytest.param("v5e", "streamed", "hv", 3.0, "bfloat16", marks=pytest.mark.interpreter),
 ])
 def test_ties_take_the_lowest_index(interpret, target, kernel, layout, cap, dtype):
     _ties_take_the_lowest_index(interpret, target, TIE_BLOCKS[kernel], layout, cap, dtype, spike=8.0)
@@ -224,9 +227,10 @@ def test_row_scale_must_match_the_spec(interpret):
         ops.row_stats(jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels), StatsSpec(), row_scale=jnp.ones(8))
 
 
-@pytest.mark.parametrize("layout,blocks,in_kernel", [("hv", STREAMED, True), ("hv", BLOCKED, True),
-                                                     ("vh", STREAMED, False), ("vh", BLOCKED, True)],
-                         ids=["hv-streamed", "hv-blocked", "vh-streamed", "vh-blocked"])
+@pytest.mark.parametrize("layout,blocks,in_kernel", [
+    ("hv", STREAMED, True), pytest.param("hv", BLOCKED, True, marks=pytest.mark.interpreter),
+    ("vh", STREAMED, False), pytest.param("vh", BLOCKED, True, marks=pytest.mark.interpreter),
+], ids=["hv-streamed", "hv-blocked", "vh-streamed", "vh-blocked"])
 def test_only_a_streamed_vh_kernel_leaves_the_label_logit_to_the_wrapper(interpret, layout, blocks, in_kernel):
     """The streamed kernel with a ``[V, H]`` head takes no labels and gives no label logit: the labels
     given to it change nothing, and it gives one statistic fewer than the others."""

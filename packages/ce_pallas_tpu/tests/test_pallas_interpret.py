@@ -52,7 +52,14 @@ PARITY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("target,batch_shape,hidden,vocab,dtype,case,blocks", PARITY_CASES,
+#: The fast tier's parity cases (two cores, every feature hidden-blocked; bf16 with weights streamed; v6e's
+#: column chunks); CI's interpreter tier (``pytest -m interpreter``) runs the others too.
+FAST_PARITY = {0, 2, 9}
+
+
+@pytest.mark.parametrize("target,batch_shape,hidden,vocab,dtype,case,blocks",
+                         [row if k in FAST_PARITY else pytest.param(*row, marks=pytest.mark.interpreter)
+                          for k, row in enumerate(PARITY_CASES)],
                          ids=lambda value: str(value) if not isinstance(value, Case) else "")
 def test_parity_with_oracle(interpret, target, batch_shape, hidden, vocab, dtype, case, blocks):
     interpret(target)
@@ -61,7 +68,7 @@ def test_parity_with_oracle(interpret, target, batch_shape, hidden, vocab, dtype
     assert not _races_found()
 
 
-@pytest.mark.parametrize("target", ["v5e", "v5p"])
+@pytest.mark.parametrize("target", [pytest.param("v5e", marks=pytest.mark.interpreter), "v5p"])
 def test_eager_tiny_problem(interpret, target):
     interpret(target)
     x, labels, w = random_problem(12, (1,), 8, 5)
@@ -157,7 +164,7 @@ def test_overflow_check(sums, redo, interpreted):
     assert bool(tile_stats.overflowed(jnp.asarray(sums, jnp.float32), interpreted=interpreted)) is redo
 
 
-@pytest.mark.parametrize("target", ["v6e", "v5p"])
+@pytest.mark.parametrize("target", ["v6e", pytest.param("v5p", marks=pytest.mark.interpreter)])
 def test_a_nan_row_does_not_hide_an_overflowing_one(interpret, target):
     """A streamed step is redone when its largest lane sum is not at most ``exp(30)``; a NaN sum fails
     that compare too, so a NaN row in the token block still lets the step be redone for the rows
@@ -184,7 +191,7 @@ def test_a_nan_row_does_not_hide_an_overflowing_one(interpret, target):
     assert not _races_found()
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.interpreter), jnp.bfloat16])
 def test_all_ignored_gives_zero_loss_and_gradients(interpret, dtype):
     interpret("v5p")
     x, _, w = random_problem(14, (40,), 128, 300)

@@ -204,12 +204,11 @@ def test_a_problem_at_its_examples_hidden_size_keeps_the_entry() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generation", GENERATIONS)
-@pytest.mark.parametrize("head", NARROW_HEADS)
-@pytest.mark.parametrize("objective", ["loss", "rl"])
+@pytest.mark.covering(generation=GENERATIONS, head=tuple(NARROW_HEADS), objective=("loss", "rl"))
 def test_the_narrow_model_heads_compile_with_the_tiles_the_rule_gives(generation: str, head: str,
                                                                       objective: str) -> None:
-    """value_and_grad at N=4096, bf16, one chip: compiles within the design's HBM bound."""
+    """value_and_grad at N=4096, bf16, one chip: compiles within the design's HBM bound. Every head on every
+    generation, each with both objectives on some generation and each generation with both (16 of the 32)."""
     from ce_pallas_tpu.tooling import aot
 
     h, v = NARROW_HEADS[head]

@@ -48,12 +48,6 @@ def test_reference_has_no_block_sizes_to_report():
 
 
 # Contract version 3: w_layout, max/argmax and row_scale, each and together, against stats_oracle.
-V3_SPECS = [
-    dict(w_layout=layout, logit_soft_cap=cap, with_argmax=argmax, with_row_scale=scale)
-    for layout in ("hv", "vh") for cap in (None, 2.5) for argmax in (False, True) for scale in (False, True)
-]
-
-
 def _v3_problem(seed: int, n: int, h: int, v: int, layout: str, dtype=jnp.float32):
     x, labels, w = random_problem(seed, (n,), h, v, ignore_fraction=0.0)
     labels[0] = v + 3  # a label outside this w (another vocab shard's): label logit 0
@@ -63,9 +57,11 @@ def _v3_problem(seed: int, n: int, h: int, v: int, layout: str, dtype=jnp.float3
     return xj, wj, labels, scale
 
 
-@pytest.mark.parametrize("spec_kw", V3_SPECS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_v3_row_stats_vjp_and_grads_match_stats_oracle(spec_kw, dtype):
+@pytest.mark.covering(w_layout=("hv", "vh"), logit_soft_cap=(None, 2.5), with_argmax=(False, True),
+                      with_row_scale=(False, True), dtype=(jnp.float32, jnp.bfloat16))
+def test_v3_row_stats_vjp_and_grads_match_stats_oracle(w_layout, logit_soft_cap, with_argmax, with_row_scale, dtype):
+    spec_kw = dict(w_layout=w_layout, logit_soft_cap=logit_soft_cap, with_argmax=with_argmax,
+                   with_row_scale=with_row_scale)
     spec = ce_core.StatsSpec(with_sum=True, with_expected=True, **spec_kw)
     xj, wj, labels, scale = _v3_problem(3, 13, 24, 157, spec.w_layout, dtype)
     kw = {"row_scale": jnp.asarray(scale)} if spec.with_row_scale else {}

@@ -43,17 +43,21 @@ CHUNKINGS = {
     # 384-column vocab tiles and gradient slices divide neither 1000 nor 3001 (the last overlaps).
     "vocab_chunks": ({}, BlockSizes(b_block_size=16, v_block_size=384)),
 }
-MODES = {f"{chunking}-{order}": (XlaBackend(**options, gradient_order=order), block_sizes)
-         for chunking, (options, block_sizes) in CHUNKINGS.items() for order in ORDERS}
-# (vocab, dtype, soft cap): both odd vocabularies, both dtypes, with and without the cap.
-STATS_CASES = [(1000, "float32", None), (3001, "float32", 3.0), (1000, "bfloat16", 3.0), (3001, "bfloat16", None)]
+#: Both odd vocabularies, both dtypes, with and without the soft cap.
+STATS_FACTORS = dict(vocab=(1000, 3001), dtype=("float32", "bfloat16"), cap=(None, 3.0))
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
+#: Each test runs every chunking in both gradient orders (pairs of a covering array); its other factors
+#: meet them pairwise.
+EVERY_MODE = dict(chunking=tuple(CHUNKINGS), order=ORDERS)
 
 
-@pytest.fixture(params=list(MODES), scope="module")
-def mode(request):
-    backend, block_sizes = MODES[request.param]
-    name = f"xla_test_{request.param.replace('-', '_')}"
+@pytest.fixture
+def mode(chunking, order):
+    """``(name, backend, block_sizes)``: the xla backend forced to ``order`` with ``chunking``, registered
+    as ``name``."""
+    options, block_sizes = CHUNKINGS[chunking]
+    backend = XlaBackend(**options, gradient_order=order)
+    name = f"xla_test_{chunking}_{order}"
     register_backend(name, lambda: backend, replace=True)
     yield name, backend, block_sizes
     unregister_backend(name)
@@ -107,7 +111,7 @@ def check(actual, expected, tol, what):
     assert error <= tol, f"{what}: rel error {error:.3g} > {tol}"
 
 
-@pytest.mark.parametrize("vocab,dtype,cap", STATS_CASES)
+@pytest.mark.covering(**EVERY_MODE, **STATS_FACTORS)
 def test_row_stats_vjp_matches_float64(mode, vocab, dtype, cap):
     _, backend, block_sizes = mode
     x, labels, w = problem(vocab, dtype)
@@ -132,7 +136,7 @@ def test_row_stats_vjp_matches_float64(mode, vocab, dtype, cap):
     check(dw, dw64, tol, "dw")
 
 
-@pytest.mark.parametrize("vocab,dtype,cap", STATS_CASES)
+@pytest.mark.covering(**EVERY_MODE, **STATS_FACTORS)
 def test_row_stats_and_grads_matches_float64(mode, vocab, dtype, cap):
     _, backend, block_sizes = mode
     x, labels, w = problem(vocab, dtype, seed=2)
@@ -157,7 +161,7 @@ def test_row_stats_and_grads_matches_float64(mode, vocab, dtype, cap):
     check(dw, dw64, TOLERANCE[dtype], "dw")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.covering(**EVERY_MODE, dtype=("float32", "bfloat16"))
 def test_row_stats_vjp_from_a_global_lse_matches_float64(mode, dtype):
     """``w`` is one vocab shard (ids [0, 1000) of 3001) and ``lse`` is over the whole vocabulary."""
     _, backend, block_sizes = mode
@@ -182,8 +186,7 @@ def test_row_stats_vjp_from_a_global_lse_matches_float64(mode, dtype):
     check(dw, x32.T @ delta, TOLERANCE[dtype], "dw")
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.covering(**EVERY_MODE, reduction=("mean", "sum", "none"), dtype=("float32", "bfloat16"))
 def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(mode, reduction, dtype):
     name, _, block_sizes = mode
     x, labels, w = random_problem(11, (50,), 40, 3001)
@@ -198,16 +201,16 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(mode, reduction, d
     assert not np.any(np.asarray(dx, np.float32)) and not np.any(np.asarray(dw, np.float32))
 
 
-@pytest.mark.parametrize("reduction,vocab", [("mean", 3001), ("sum", 1000), ("none", 3001)])
-def test_loss_matches_oracle(mode, vocab, reduction):
+@pytest.mark.covering(**EVERY_MODE, reduction=("mean", "sum", "none"), vocab=(1000, 3001),
+                      dtype=("float32", "bfloat16"))
+def test_loss_matches_oracle(mode, reduction, vocab, dtype):
     name, _, block_sizes = mode
     x, labels, w = random_problem(4, (5, 10), 40, vocab)  # logits of order 1, 10% ignored
     case = Case(reduction=reduction, use_weights=True, logsumexp_weight=1e-3, logit_soft_cap=3.0, label_smoothing=0.1)
-    compare_with_oracle(name, case, x, labels, w, block_sizes=block_sizes)
-    compare_with_oracle(name, Case(reduction=reduction), x, labels, w, dtype="bfloat16", block_sizes=block_sizes)
+    compare_with_oracle(name, case, x, labels, w, dtype=dtype, block_sizes=block_sizes)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.covering(**EVERY_MODE, dtype=("float32", "bfloat16"))
 def test_log_probs_and_entropy_match_oracle(mode, dtype):
     """The expected-logit statistic streamed and differentiated in every chunking and gradient order."""
     name, _, block_sizes = mode
@@ -227,6 +230,7 @@ def test_log_probs_and_entropy_match_oracle(mode, dtype):
     for actual, key in ((logp, "logp"), (entropy, "entropy"), (dx, "dx"), (dw, "dw")):
         assert max_rel_error(actual, expected[key]) < TOLERANCE[dtype], key
 
+@pytest.mark.covering(**EVERY_MODE)
 def test_the_two_paths_agree(mode):
     name, _, block_sizes = mode
     x, labels, w = random_problem(5, (50,), 40, 1000)
@@ -235,8 +239,8 @@ def test_the_two_paths_agree(mode):
         return linear_cross_entropy(a, labels, b, reduction=reduction, implementation=name, block_sizes=block_sizes,
                                     label_smoothing=0.1, logit_soft_cap=3.0)
 
-    fused = jax.grad(lambda a, b: loss(a, b, "sum"), (0, 1))(x, w)
-    general = jax.grad(lambda a, b: jnp.sum(loss(a, b, "none")), (0, 1))(x, w)
+    fused = jax.jit(jax.grad(lambda a, b: loss(a, b, "sum"), (0, 1)))(x, w)
+    general = jax.jit(jax.grad(lambda a, b: jnp.sum(loss(a, b, "none")), (0, 1)))(x, w)
     for f, g in zip(fused, general, strict=True):
         assert max_rel_error(f, g) < 1e-5
 
