@@ -388,13 +388,7 @@ def v5p_2x2x1():
     return topology_devices("v5p:2x2x1")
 
 
-#: The v5p compiles share programs (a stated layout compiles to the Explicit-axes program): one worker
-#: runs them all, so the session's compile cache (tools/compile_cache.py) compiles each once.
-ON_ONE_WORKER = pytest.mark.xdist_group("v5p_2x2x1")
-
-
 @pytest.mark.slow
-@ON_ONE_WORKER
 @pytest.mark.parametrize("backend", ["pallas_tpu", "xla"])
 @pytest.mark.parametrize("mesh_shape,w_spec", [((2, 2), P(None, "model")), ((4, 1), P(None, None))],
                          ids=["data_x_vocab", "data_only"])
@@ -444,7 +438,6 @@ def compile_under_auto_axes(devices, generation, backend, w_spec, stated):
 
 
 @pytest.mark.slow
-@ON_ONE_WORKER
 @pytest.mark.covering(w_layout=tuple(AUTO_W_LAYOUTS), stated=(False, True), backend=("pallas_tpu", "xla"))
 def test_auto_axes_compile_for_a_v5p_topology_within_the_memory_bound(monkeypatch, v5p_2x2x1, backend, w_layout,
                                                                       stated):

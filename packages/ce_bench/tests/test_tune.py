@@ -75,7 +75,7 @@ def test_tune_shapes_writes_the_users_cache_and_the_backend_then_plans_with_it(
     cache = tmp_path / "tiles.json"
     json_path = tmp_path / "tune.json"
     code = cli.main(["tune", "--target", "v5e", "--shapes", f"{N}x{H}x{V}", "--objective", "rl", "--candidates",
-                     "2", "--cache", str(cache), "--json", str(json_path), "--quiet"])
+                     "1", "--cache", str(cache), "--json", str(json_path), "--quiet"])
     assert code == 0
     assert f"tile cache written: {cache}" in capsys.readouterr().out
     rows = json.loads(json_path.read_text())
