@@ -129,6 +129,8 @@ compile_cache = importlib.import_module("compile_cache")
 
 def pytest_configure(config: pytest.Config) -> None:
     compile_cache.install()  # each distinct TPU program compiled once per process
+    if os.environ.get("CE_FEATURE_COVERAGE_DIR"):  # record what the calls run (tools/feature_coverage.py)
+        config.pluginmanager.register(importlib.import_module("feature_coverage"), "feature_coverage")
 
 
 def pytest_testnodedown(node: object, error: object) -> None:

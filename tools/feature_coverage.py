@@ -1,8 +1,8 @@
 """Which (feature, backend, placement) triples a pytest run exercises, read from the calls it makes.
 
-A test's name says what it means to test; this records what its calls really ran. Loaded as a pytest
-plugin (``-p feature_coverage`` with this folder on ``PYTHONPATH``), it wraps two of ce_core's
-internals in every worker:
+A test's name says what it means to test; this records what its calls really ran. With
+``CE_FEATURE_COVERAGE_DIR`` set, the repository's conftest.py registers this module as a pytest
+plugin in every worker, and it wraps two of ce_core's internals:
 
 - ``prepare``, which every public entry point calls once per trace: the backend chosen, the placement
   (local, the caller's ``shard_map``, Explicit axes, Auto axes with the default or a stated layout, the
@@ -11,11 +11,13 @@ internals in every worker:
 - ``ops.run``, which runs each backend entry point (``row_stats``, ``row_stats_vjp``,
   ``row_stats_and_grads``) under a placement, and whether it ran under ``vmap``.
 
-Run as a script it runs pytest with the plugin, then prints the triples (or writes them as JSON), and
-with ``--compare OLD.json`` lists the triples OLD holds that this run does not::
+Run as a script it runs pytest so (or reads the logs of a run made so, ``--logs``), prints the triples
+(or writes them as JSON), and with ``--compare BASELINE.json`` lists the triples the baseline holds that
+this run does not, and fails. ``tools/fast_tier_triples.json`` is the fast tier's baseline (every triple
+it ran on 2026-11-27, before its products became covering arrays); CI checks the fast tier against it::
 
-    uv run python tools/feature_coverage.py --json after.json            # the fast tier
-    uv run python tools/feature_coverage.py --json after.json --compare before.json -- tests -k parity
+    uv run python tools/feature_coverage.py --compare tools/fast_tier_triples.json        # the fast tier
+    uv run python tools/feature_coverage.py --json after.json -- tests -k parity           # some tests
 
 Arguments after ``--`` go to pytest (default: the fast tier, as ``uv run pytest`` runs it), which runs
 in the current directory: run it from another checkout to record that checkout's tests.
@@ -121,6 +123,7 @@ def pytest_configure(config: pytest.Config) -> None:
     log_dir = os.environ.get(LOG_DIR_VARIABLE)
     if not log_dir:
         return
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
     import ce_core.api.log_probs
     import ce_core.api.loss
     import ce_core.api.prepare
@@ -159,26 +162,34 @@ def triples(log_dir: Path) -> dict[tuple[str, str, str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the triples (and the tests behind each) here")
-    parser.add_argument("--compare", type=Path, help="a JSON file of an earlier run: list what it had and this lacks")
+    parser.add_argument("--compare", type=Path, help="a baseline JSON: list (and fail on) the triples it holds and "
+                                                     "this run lacks")
+    parser.add_argument("--logs", type=Path, help="read a run made with CE_FEATURE_COVERAGE_DIR=LOGS instead of "
+                                                  "running pytest")
+    parser.add_argument("--quiet", action="store_true", help="print only the comparison")
     parser.add_argument("pytest_args", nargs="*", help="arguments for pytest (after --)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as log_dir:
-        env = dict(os.environ, **{LOG_DIR_VARIABLE: log_dir})
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
-        status = subprocess.call([sys.executable, "-m", "pytest", "-p", "feature_coverage", "-q",
-                                  *args.pytest_args], env=env)
-        found = triples(Path(log_dir))
-    print(f"\n{len(found)} (feature, backend, placement) triples exercised (pytest exit status {status}):")
-    for feature, backend, placement in found:
-        print(f"  {feature:28} {backend:12} {placement}")
+    status = 0
+    if args.logs is not None:
+        found = triples(args.logs)
+    else:
+        with tempfile.TemporaryDirectory() as log_dir:
+            status = subprocess.call([sys.executable, "-m", "pytest", "-q", *args.pytest_args],
+                                     env=dict(os.environ, **{LOG_DIR_VARIABLE: log_dir}))
+            found = triples(Path(log_dir))
+    if not args.quiet:
+        print(f"\n{len(found)} (feature, backend, placement) triples exercised (pytest exit status {status}):")
+        for feature, backend, placement in found:
+            print(f"  {feature:28} {backend:12} {placement}")
     if args.json:
         args.json.write_text(json.dumps([[*key, tests] for key, tests in found.items()], indent=1))
     if args.compare:
-        before = {tuple(entry[:3]): entry[3] for entry in json.loads(args.compare.read_text())}
-        lost = sorted(set(before) - set(found))
-        print(f"\n{len(lost)} triples of {args.compare} not exercised here:")
-        for key in lost:
-            print(f"  {key[0]:28} {key[1]:12} {key[2]:18} (was: {before[key][0]})")
+        baseline = {tuple(entry[:3]) for entry in json.loads(args.compare.read_text())}
+        lost = sorted(baseline - set(found))
+        print(f"{len(baseline) - len(lost)} of the {len(baseline)} (feature, backend, placement) triples of "
+              f"{args.compare} exercised; {len(found)} in all")
+        for feature, backend, placement in lost:
+            print(f"  not exercised: {feature:28} {backend:12} {placement}")
         return 1 if lost else status
     return status
 
