@@ -37,6 +37,8 @@ def call(**overrides: Any):
         (dict(weights=np.ones((4, 5), np.float32)), r"weights must have the shape of labels \(4, 6\), got \(4, 5\)"),
         (dict(weights=np.ones((4, 6), np.int32)), r"weights must be a floating array"),
         (dict(reduction="avg"), r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'"),
+        (dict(keep_logits="yes"), r"keep_logits must be None, True or False, got 'yes'"),
+        (dict(keep_logits=True, reduction="none"), r'keep_logits=True needs reduction="mean" or "sum"'),
         (dict(label_smoothing=-0.1), r"label_smoothing must be in \[0, 1\), got -0.1"),
         (dict(label_smoothing=1.0), r"label_smoothing must be in \[0, 1\), got 1.0"),
         (dict(logit_soft_cap=0.0), r"logit_soft_cap must be None or > 0, got 0.0"),

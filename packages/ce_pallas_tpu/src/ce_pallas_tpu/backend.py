@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ce_core import Backend, Problem, RowStats, StatsSpec, TileReport, UnsupportedError
-from ce_pallas_tpu import ops, target
+from ce_core import Backend, CotangentFn, Problem, RowStats, StatsSpec, TileReport, UnsupportedError
+from ce_pallas_tpu import kept_logits, ops, target
 from ce_pallas_tpu.common import PLAIN_INTERPRETER_UNDER_SHARD_MAP
 
 #: Input dtypes the kernels take (the MXU has no float16 path on v4/v5).
@@ -68,6 +69,25 @@ class PallasTpuBackend(Backend):
         row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         return ops.row_stats_vjp(x, w, labels, stats, cotangent, spec, row_scale=row_scale)
+
+    def row_stats_and_grads(
+        self,
+        x: jax.Array,
+        w: jax.Array,
+        labels: jax.Array,
+        spec: StatsSpec,
+        cotangent_fn: CotangentFn,
+        token_params: Any,
+        *,
+        row_scale: jax.Array | None = None,
+    ) -> tuple[RowStats, jax.Array, jax.Array]:
+        """With ``spec.keep_logits`` the logits kept between the passes (:mod:`ce_pallas_tpu.kept_logits`,
+        6NHV); otherwise (``None`` included, until the schedule shows where keeping pays) the forward
+        kernel, then the backward kernel recomputing them (8NHV)."""
+        if spec.keep_logits:
+            return kept_logits.row_stats_and_grads(x, w, labels, spec, cotangent_fn, token_params,
+                                                   row_scale=row_scale)
+        return super().row_stats_and_grads(x, w, labels, spec, cotangent_fn, token_params, row_scale=row_scale)
 
 
 def make_backend() -> PallasTpuBackend:

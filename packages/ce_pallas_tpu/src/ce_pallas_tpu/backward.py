@@ -71,6 +71,9 @@ class BackwardConfig(common.KernelConfig):
     """
 
     w_buffers: int = 1
+    #: Take the logits from the forward's kept ones (:mod:`ce_pallas_tpu.kept_logits`) instead of
+    #: recomputing them, and add ``dw`` onto a float32 running sum (padded to whole vocab blocks).
+    kept_logits: bool = False
 
     @property
     def dw_transposed(self) -> bool:
@@ -136,7 +139,11 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
     lse_ref, g_lse_ref, g_label_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     g_sum_ref = refs.pop(0) if cfg.with_sum else None
     expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
+    z_ref = refs.pop(0) if cfg.kept_logits else None
+    if cfg.kept_logits:
+        refs.pop(0)  # the running dw's input: the same buffer as the dw output (aliased)
     dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
+    dw_previous = rest_buf.pop(0) if cfg.kept_logits else None
     dw_remainder = rest_buf[0] if rest_buf else None
     rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
 
@@ -147,10 +154,14 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
         dx_rows = _dx_rows(dxp_hbm, dx_buf, sems, core, i, cfg)
         _begin_dx_rows(dx_rows, dx_buf, jj)
         _mask_ragged_operands(x_ref, w_ref, i, block, cfg)
-        d = _logit_cotangent(x_ref, w_ref, rows, i, block, cfg)
+        previous = None
+        if z_ref is not None:
+            _mask_ragged_logits(z_ref, i, block, cfg)
+            previous = _read_running_dw(dw_hbm, dw_previous, sems, i, block, cfg)
+        d = _logit_cotangent(x_ref, w_ref, z_ref, rows, i, block, cfg)
         _dw_step(x_ref, d, dw_acc, i, cfg)
         write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
-        _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg)
+        _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg, previous)
         _dx_step(w_ref, d, dx_buf, dx_rows, i, jj, cfg)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
@@ -217,6 +228,35 @@ def _mask_ragged_operands(x_ref, w_ref, i, block, cfg: BackwardConfig) -> None:
             w_ref[...] = jnp.where(entry < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
 
 
+def _mask_ragged_logits(z_ref, i, block, cfg: BackwardConfig) -> None:
+    """Kept logits of rows past ``N`` and columns past ``V`` (garbage, or never written) made 0 in their
+    VMEM buffer, as the recomputed ones are there (their operands are zeroed), so ``delta`` stays finite."""
+    if cfg.n % cfg.block_b:
+
+        @pl.when(i == cfg.nb - 1)
+        def _():
+            row = i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, z_ref.shape, 0)
+            z_ref[...] = jnp.where(row < cfg.n, z_ref[...], 0.0)
+
+    if cfg.v % cfg.block_v:
+
+        @pl.when(block == cfg.nv - 1)
+        def _():
+            col = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, z_ref.shape, 1)
+            z_ref[...] = jnp.where(col < cfg.v, z_ref[...], 0.0)
+
+
+def _read_running_dw(dw_hbm, dw_previous, sems, i, block, cfg: BackwardConfig):
+    """The running ``dw``'s block (earlier token chunks' sum) read into VMEM, started at the vocab
+    block's first token block and waited for at its last, where it is added to this chunk's tile."""
+    first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
+    entries = pl.ds(first, cfg.block_v)
+    window = dw_hbm.at[entries, :] if cfg.w_layout == "vh" else dw_hbm.at[:, entries]
+    read = pltpu.make_async_copy(window, dw_previous, sems.at[3])
+    pl.when(i == 0)(read.start)
+    return read, dw_previous
+
+
 def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
     """The per-row inputs of the step as values. In a ragged last token block the rows past ``N``
     hold garbage (NaN, say): their coefficients are zeroed and their ``lse``, ``expected`` and scale
@@ -233,7 +273,7 @@ def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
     return _Rows(values.y, *(zeroed(value) for value in values[1:]))  # a garbage label meets g_label = 0
 
 
-def _logit_cotangent(x_ref, w_ref, rows: _Rows, i, block, cfg: BackwardConfig) -> jax.Array:
+def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardConfig) -> jax.Array:
     """``delta`` of the tile (see the module docs) from its recomputed logits, in the products' dtype.
 
     Nothing is masked per logit. Rows past ``N`` get a ``delta`` of exactly 0 (:func:`_row_values`).
@@ -241,8 +281,12 @@ def _logit_cotangent(x_ref, w_ref, rows: _Rows, i, block, cfg: BackwardConfig) -
     (:func:`_mask_ragged_operands`), so their logits are 0 and they add nothing to ``dx``; their ``dw``
     columns are never written (:func:`_dw_write`), and no label falls on them."""
     row = _row_values(rows, i, cfg)
-    product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
-    z, t = common.soft_cap(product(x_ref[...], w_ref[...], cfg.precision), cfg.logit_soft_cap)
+    if z_ref is not None:
+        raw = z_ref[...]
+    else:
+        product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
+        raw = product(x_ref[...], w_ref[...], cfg.precision)
+    z, t = common.soft_cap(raw, cfg.logit_soft_cap)
     if row.scale is not None:
         z = row.scale * z
     # Columns are counted from the block's first, and the per-row terms carry the offset, so no
@@ -307,6 +351,8 @@ def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig) 
     # A single block (block_v == V, of any width) is the whole of dw: its window starts at a static 0.
     first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
     full = copy(dw_stage, pl.ds(first, cfg.block_v))
+    if cfg.kept_logits:  # the running dw is padded to whole blocks: no ragged window
+        return _DwWrite(full, (), None)
     aligned, remainder = _dw_tail_split(cfg)
     start = (cfg.nv - 1) * cfg.block_v
     tail = []
@@ -323,10 +369,12 @@ def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig) 
 _DW_PIECE_COLUMNS = 512
 
 
-def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg: BackwardConfig) -> None:
+def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg: BackwardConfig,
+              previous=None) -> None:
     """After the vocab block's last token block: the accumulator cast into the staging buffer (once the
-    core's previous block has left it) and its copy to HBM started; waited for at the core's last
-    block. A ragged last block is the last one of the last core, so only that final wait can be its."""
+    core's previous block has left it), ``previous`` (the running dw's read, kept-logits mode) waited
+    for and added, and its copy to HBM started; waited for at the core's last block. A ragged last
+    block is the last one of the last core, so only that final wait can be its."""
 
     def start_tail():
         if write.remainder_source is not None:
@@ -354,6 +402,10 @@ def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg
             write.full.wait()
 
         _stage_dw(dw_acc, dw_stage, cfg)
+        if previous is not None:
+            read, buffer = previous
+            read.wait()
+            dw_stage[...] += buffer[...]
         either(start_tail, write.full.start)
         pl.when((jj == cfg.nv_per_core - 1) | (block == cfg.nv - 1))(lambda: either(wait_tail, write.full.wait))
 
@@ -411,8 +463,14 @@ def backward_call(
     g_expected: jax.Array | None,
     cfg: BackwardConfig,
     row_scale: jax.Array | None = None,
+    kept: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dx partials float32 [cores, Np, Hp], dw in w's layout and dtype)``.
+
+    With ``cfg.kept_logits``, ``kept`` is ``(logits, running_dw)``: the forward's kept raw logits
+    (:func:`ce_pallas_tpu.forward.forward_call`) and the float32 sum of earlier chunks' ``dw`` in
+    ``w``'s layout, padded to ``nv * block_v`` vocab entries; the ``dw`` returned is that sum plus
+    this call's (the same buffer: donated, aliased).
 
     ``x`` is ``[N, H]``, ``w`` is ``[H, V]`` (``[V, H]`` for ``cfg.w_layout == "vh"``); ``labels``
     (int32), ``row_scale`` (float32, only with ``cfg.with_row_scale``), ``lse``, ``expected`` and the
@@ -421,20 +479,35 @@ def backward_call(
     """
     in_specs, operands = _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_expected,
                                  cfg)
+    dw_shape, dw_dtype, aliases = w.shape, w.dtype, {}
+    if cfg.kept_logits:
+        if kept is None:
+            raise ValueError("backward_call: cfg.kept_logits needs kept=(logits, running_dw)")
+        logits, running = kept
+        padded = (cfg.nv * cfg.block_v, cfg.hidden) if cfg.w_layout == "vh" else (cfg.hidden, cfg.nv * cfg.block_v)
+        if running.shape != padded or running.dtype != jnp.float32:
+            raise ValueError(f"backward_call: running_dw must be float32 {padded}, got {running.dtype} {running.shape}")
+        nvc = cfg.nv_per_core
+        in_specs += [pl.BlockSpec((cfg.block_b, cfg.block_v), lambda c, j, i: (i, c * nvc + j)),
+                     pl.BlockSpec(memory_space=pl.ANY)]
+        operands += [logits, running]
+        dw_shape, dw_dtype, aliases = padded, jnp.float32, {len(operands) - 1: 0}
     axes, operands = common.per_device_operands(operands, cfg.interpret)
     out_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2  # dw and the dx partials, in HBM (manual DMAs)
     out_shape = [
-        common.out_type(w.shape, w.dtype, axes),
+        common.out_type(dw_shape, dw_dtype, axes),
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
     scratch = [
         pltpu.VMEM(cfg.dw_acc_shape, jnp.float32),  # dw accumulator
-        pltpu.VMEM(_block_shape(cfg, cfg.hidden), w.dtype),  # dw staging: the finished tile on its way out
+        pltpu.VMEM(_block_shape(cfg, cfg.hidden), dw_dtype),  # dw staging: the finished tile on its way out
         pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
-        pltpu.SemaphoreType.DMA((3,)),  # dx rows in, dx rows out, dw out
+        pltpu.SemaphoreType.DMA((4 if cfg.kept_logits else 3,)),  # dx rows in, dx rows out, dw out (, dw in)
     ]
     remainder = _dw_tail_split(cfg)[1]
-    if remainder:  # the ragged last vocab block's entries past its last whole layout tile
+    if cfg.kept_logits:  # the running dw's block, read while the vocab block's steps run
+        scratch.append(pltpu.VMEM(_block_shape(cfg, cfg.hidden), jnp.float32))
+    elif remainder:  # the ragged last vocab block's entries past its last whole layout tile
         scratch.append(pltpu.VMEM(_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden), w.dtype))
     dw, dx_partials = pl.pallas_call(
         functools.partial(_backward_kernel, cfg=cfg),
@@ -450,8 +523,9 @@ def backward_call(
             vmem_limit_bytes=cfg.vmem_limit_bytes,
         ),
         interpret=cfg.interpret,
+        input_output_aliases=aliases,
         cost_estimate=pl.CostEstimate(
-            flops=6 * cfg.n * cfg.hp * cfg.v,
+            flops=(4 if cfg.kept_logits else 6) * cfg.n * cfg.hp * cfg.v,
             transcendentals=cfg.n * cfg.v * (2 if cfg.logit_soft_cap is not None else 1),
             bytes_accessed=w.size * w.dtype.itemsize * 2
             + cfg.nv * (x.size * x.dtype.itemsize + 8 * cfg.padded_n * cfg.hp),

@@ -69,7 +69,11 @@ from ce_pallas_tpu.layout import LANES, SUBLANES, forward_column_chunk
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig(common.KernelConfig):
     """Static shape and tiling of one forward call; ``block_h`` is the hidden block (``hp``: unblocked).
-    ``mxu_side`` sets the streamed step's column chunks."""
+    ``mxu_side`` sets the streamed step's column chunks. ``keep_logits``: the call also writes each
+    step's raw logits ``x @ w`` (float32, before the cap and the row scale) to an output in blocks of
+    the grid's tiles, for the gradient pass of :mod:`ce_pallas_tpu.kept_logits`."""
+
+    keep_logits: bool = False
 
     @property
     def label_in_kernel(self) -> bool:
@@ -97,6 +101,20 @@ class ForwardConfig(common.KernelConfig):
     def column_chunks(self) -> list[int]:
         """The first vocab column of each piece of a step's logit tile."""
         return list(range(0, self.block_v, self.column_chunk or self.block_v))
+
+
+def _split_kept(refs, cfg: ForwardConfig):
+    """The kept-logits output's ref (the last output; None without one) and the other refs."""
+    if not cfg.keep_logits:
+        return None, refs
+    return refs[cfg.n_stats], (*refs[: cfg.n_stats], *refs[cfg.n_stats + 1 :])
+
+
+def _keep(z_ref, logits: jax.Array, first: int) -> jax.Array:
+    """The raw logits of columns ``first...`` of the step's tile into the kept-logits block; returns them."""
+    if z_ref is not None:
+        z_ref[:, pl.ds(first, logits.shape[1])] = logits
+    return logits
 
 
 def _split_refs(refs, cfg: ForwardConfig):
@@ -214,6 +232,7 @@ def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig):
     from before the step; the reference has one, since only an exact step moves it."""
     y_ref, refs = _split_labels(refs, cfg)
     s_ref, refs = _split_row_scale(refs, cfg)
+    z_ref, refs = _split_kept(refs, cfg)
     outs, stat_refs, (redo_ref,) = _split_refs(refs, cfg)
     step = _grid_step(cfg)
     if cfg.hidden != cfg.hp:
@@ -235,10 +254,10 @@ def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig):
 
     if cfg.block_v % LANES == 0:  # else the block is the row's only one (block_v == V), always taken exactly
         pl.when(step.in_range & jnp.logical_not(exact))(
-            lambda: _streamed_step(x_ref, w_ref, s_ref, labels, block_start, stat_refs, redo_ref, step.i, previous,
-                                   current, cfg))
+            lambda: _streamed_step(x_ref, w_ref, s_ref, z_ref, labels, block_start, stat_refs, redo_ref, step.i,
+                                   previous, current, cfg))
     pl.when(step.in_range & (redo_ref[0] != 0))(
-        lambda: _exact_step(x_ref, w_ref, labels, s_ref, block_start, stat_refs, step.j, previous, current,
+        lambda: _exact_step(x_ref, w_ref, labels, s_ref, z_ref, block_start, stat_refs, step.j, previous, current,
                             cfg))
     pl.when(step.last_step)(lambda: _finish_streamed(outs, stat_refs, step, previous, current))
 
@@ -273,15 +292,15 @@ def _label_gap(labels: jax.Array | None, block_start, cfg: ForwardConfig) -> jax
             - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
 
 
-def _streamed_step(x_ref, w_ref, s_ref, labels, block_start, stat_refs, redo_ref, i, previous, current,
+def _streamed_step(x_ref, w_ref, s_ref, z_ref, labels, block_start, stat_refs, redo_ref, i, previous, current,
                    cfg: ForwardConfig) -> None:
     """The block's exps against each lane's reference as it stands; asks for a redo on overflow."""
     state = _read_state(stat_refs, previous)
     scale = _row_scale(s_ref)
     gap = _label_gap(labels, block_start, cfg)
     for first in cfg.column_chunks:
-        state = tile_stats.streamed_lane_update(_chunk(x_ref, w_ref, first, cfg), gap, state, cfg, first,
-                                                block_start + first, scale)
+        state = tile_stats.streamed_lane_update(_keep(z_ref, _chunk(x_ref, w_ref, first, cfg), first), gap, state,
+                                                cfg, first, block_start + first, scale)
     # The reference has one slot: a streamed step leaves it as it is, so it is not written back.
     _write_state(stat_refs, state, current, reference=False)
     # The garbage rows of a ragged token block are left out, so they never force a redo.
@@ -291,7 +310,7 @@ def _streamed_step(x_ref, w_ref, s_ref, labels, block_start, stat_refs, redo_ref
     redo_ref[0] = tile_stats.overflowed(sums, interpreted=bool(cfg.interpret)).astype(jnp.int32)
 
 
-def _exact_step(x_ref, w_ref, labels, s_ref, block_start, stat_refs, j, previous, current,
+def _exact_step(x_ref, w_ref, labels, s_ref, z_ref, block_start, stat_refs, j, previous, current,
                 cfg: ForwardConfig) -> None:
     """The block taken exactly: each lane's reference moved up to its maximum first."""
     fresh = _initial_state(stat_refs)
@@ -299,8 +318,8 @@ def _exact_step(x_ref, w_ref, labels, s_ref, block_start, stat_refs, j, previous
     scale = _row_scale(s_ref)
     gap = _label_gap(labels, block_start, cfg)
     for first in cfg.column_chunks:
-        state = tile_stats.exact_lane_update(_chunk(x_ref, w_ref, first, cfg), block_start + first, labels,
-                                             gap, state, cfg, first, scale)
+        state = tile_stats.exact_lane_update(_keep(z_ref, _chunk(x_ref, w_ref, first, cfg), first),
+                                             block_start + first, labels, gap, state, cfg, first, scale)
     _write_state(stat_refs, state, current)
 
 
@@ -318,12 +337,13 @@ def _finish_streamed(outs, stat_refs, step: _Step, previous, current) -> None:
 def _blocked_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     """The logit tile summed over hidden blocks in a VMEM scratch, then per-row online statistics."""
     s_ref, refs = _split_row_scale(refs, cfg)
+    z_ref, refs = _split_kept(refs, cfg)
     outs, stat_refs, (acc_ref,) = _split_refs(refs, cfg)
     step = _grid_step(cfg)
     pl.when((step.j == 0) & (step.k == 0))(lambda: _write_state(stat_refs, _initial_state(stat_refs)))
 
     def accumulate():
-        _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, acc_ref, stat_refs, step, cfg)
+        _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, z_ref, acc_ref, stat_refs, step, cfg)
 
     if step.guarded:
         pl.when(step.in_range)(accumulate)
@@ -332,7 +352,7 @@ def _blocked_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
     pl.when(step.last_step)(lambda: _write_outputs(outs, _read_state(stat_refs)))
 
 
-def _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, acc_ref, stat_refs, step: _Step,
+def _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, z_ref, acc_ref, stat_refs, step: _Step,
                              cfg: ForwardConfig) -> None:
     """This hidden block's part of the logit tile; after the last one, the tile's row statistics."""
     k = step.k
@@ -350,16 +370,20 @@ def _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, acc_ref, stat_refs, ste
 
     @pl.when(k == cfg.nh - 1)
     def _():
-        rows = tile_stats.row_update(acc_ref[...], step.block * cfg.block_v, y_ref[...], _read_state(stat_refs), cfg,
-                                     _row_scale(s_ref))
+        rows = tile_stats.row_update(_keep(z_ref, acc_ref[...], 0), step.block * cfg.block_v, y_ref[...],
+                                     _read_state(stat_refs), cfg, _row_scale(s_ref))
         _write_state(stat_refs, rows)
 
 
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig,
-                 row_scale: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                 row_scale: jax.Array | None = None,
+                 kept_shape: tuple[int, int] | None = None) -> tuple[jax.Array, ...]:
     """Per-core partial statistics, each ``[cores, N, 1]``: ``(lse[, label][, sum][, expected][, max,
     argmax])``, float32 but argmax int32; the label logit when ``cfg.label_in_kernel`` (else
-    :func:`label_logits` gives it).
+    :func:`label_logits` gives it). With ``cfg.keep_logits`` a last output follows: the raw logits,
+    float32 ``kept_shape``, at least ``[padded N, cores * vocab blocks per core * block_v]``, step
+    ``(i, block)`` writing block ``(i, block)`` (a core a block short writes its last step's into
+    the block past ``V``'s, never read); rows past ``N`` and columns past ``V`` hold garbage.
 
     ``x`` is ``[N, H]``, ``w`` is ``[H, V]`` (``cfg.w_layout == "hv"``) or ``[V, H]`` (``"vh"``),
     ``labels`` is int32 ``[N, 1]``, ``row_scale`` float32 ``[N, 1]`` exactly when ``cfg.with_row_scale``.
@@ -392,6 +416,12 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     # The last statistic is the argmax, the only integer one.
     out_dtypes = [jnp.float32] * (num_out - 1) + [jnp.int32 if cfg.with_argmax else jnp.float32]
     out_shape = [common.out_type((cfg.num_cores, cfg.n, 1), dtype, axes) for dtype in out_dtypes]
+    out_specs = [stat_spec] * num_out
+    if cfg.keep_logits:
+        if kept_shape is None or kept_shape[0] < cfg.padded_n or kept_shape[1] < cfg.num_cores * nvc * cfg.block_v:
+            raise ValueError(f"forward_call: kept_shape {kept_shape} does not hold the grid's logit blocks")
+        out_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v), lambda c, i, j, k: (i, c * nvc + j)))
+        out_shape.append(common.out_type(kept_shape, jnp.float32, axes))
     # Running max (streamed: reference), sum of exp (, label logit)(, logit sum)(, weighted sum)(, top
     # logit, its index), per row, or per row and lane when streamed.
     stat_dtypes = [jnp.float32] * cfg.n_stats + [jnp.int32 if cfg.with_argmax else jnp.float32]
@@ -408,7 +438,7 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         functools.partial(_blocked_kernel if cfg.nh > 1 else _streamed_kernel, cfg=cfg),
         grid=(cfg.num_cores, cfg.nb, nvc, cfg.nh),
         in_specs=in_specs,
-        out_specs=[stat_spec] * num_out,
+        out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(

@@ -198,15 +198,21 @@ def _forward(x, w, inputs, plan: Plan):
     """
     labels, scale = inputs
     y = labels.astype(jnp.int32).reshape(-1, 1)
-    cfg = plan.forward
-    partials = list(forward_call(x, w, y, cfg, scale))
+    stats = merge_partials(list(forward_call(x, w, y, plan.forward, scale)), x, w, y, plan.forward, scale)
+    return stats, (x, w, y, stats.lse, stats.expected, scale)
+
+
+def merge_partials(partials: list[jax.Array], x: jax.Array, w: jax.Array, y: jax.Array, cfg: ForwardConfig,
+                   scale: jax.Array | None) -> RowStats:
+    """The rows' statistics from the forward kernel's per-core partials (the label logit from
+    :func:`label_logits` where the kernel does not pick it)."""
     lse_partials = partials.pop(0)
     lse = merge_cores(lse_partials, "logsumexp")
     label = merge_cores(partials.pop(0), "sum") if cfg.label_in_kernel else label_logits(x, w, y, cfg, scale)
     total = merge_cores(partials.pop(0), "sum") if cfg.with_sum else None
     expected = merge_expected(lse_partials, partials.pop(0), lse) if cfg.with_expected else None
     top, top_index = merge_argmax(partials.pop(0), partials.pop(0)) if cfg.with_argmax else (None, None)
-    return RowStats(lse, label, total, expected, top, top_index), (x, w, y, lse, expected, scale)
+    return RowStats(lse, label, total, expected, top, top_index)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -65,12 +65,19 @@ class LossTerms(TypedDict, total=False):
       weights: optional ``[...]`` float per-token weights, the shape of ``labels``.
       logsumexp_weight: z-loss coefficient ``lam``: adds ``lam * lse**2`` per token.
       label_smoothing: ``eps`` in ``[0, 1)``, the ``optax.smooth_labels`` convention.
+      keep_logits: how the gradient of a scalar loss is formed. ``True``: keep each token chunk's
+        logits between the statistics and the gradient pass (6NHV of matmul work, no recompute; the
+        backend holds a float32 ``dw`` accumulator and one chunk's logits); ``False``: recompute them in
+        the backward pass (8NHV, the least memory); ``None`` (the default): the backend's plan
+        chooses within its memory budget. Backends without a no-recompute path ignore it; with
+        ``reduction="none"`` the cotangents arrive only in the backward pass, so ``True`` is an error.
     """
 
     reduction: str
     weights: ArrayLike | None
     logsumexp_weight: float
     label_smoothing: float
+    keep_logits: bool | None
 
 
 class PlacementOptions(TypedDict, total=False):
@@ -124,6 +131,7 @@ class Options:
     vocab_axis_name: str | None = None
     in_specs: InSpecs | None = None
     w_layout: str = "hv"
+    keep_logits: bool | None = None
 
     @classmethod
     def of(cls, function: str, accepted: type,
@@ -168,5 +176,6 @@ class Options:
         validation.check_temperature(self.temperature)
         validation.check_vocab_axis_name(self.vocab_axis_name)
         validation.check_w_layout(self.w_layout)
+        validation.check_keep_logits(self.keep_logits, self.reduction)
         if self.block_sizes is not None and not isinstance(self.block_sizes, BlockSizes):
             raise ValueError(f"block_sizes must be None or a ce_core.BlockSizes, got {self.block_sizes!r}")

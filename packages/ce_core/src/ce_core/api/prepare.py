@@ -136,6 +136,7 @@ def prepare(
         w_layout=options.w_layout,
         with_argmax=with_argmax,
         with_row_scale=row_scale is not None,
+        keep_logits=options.keep_logits,
     )
     problem = Problem(labels.size // placement.token_shards(), hidden, local_vocab // placement.vocab_shards(),
                       x.dtype, w.dtype, spec, placement.kind)

@@ -124,6 +124,15 @@ def check_options(
     check_soft_cap(logit_soft_cap)
 
 
+def check_keep_logits(keep_logits: object, reduction: str) -> None:
+    """``keep_logits`` is ``None`` or a bool, and ``True`` only where the loss is a scalar."""
+    if keep_logits is not None and not isinstance(keep_logits, bool):
+        raise ValueError(f"keep_logits must be None, True or False, got {keep_logits!r}")
+    if keep_logits and reduction == "none":
+        raise ValueError('keep_logits=True needs reduction="mean" or "sum": per-token losses get their '
+                         "cotangents only in the backward pass, where the logits are recomputed")
+
+
 def check_ignore_index(ignore_index: object) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")

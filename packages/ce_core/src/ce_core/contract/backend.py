@@ -83,6 +83,10 @@ class StatsSpec:
     with_argmax: bool = False
     #: The logits carry a per-token scale ``s_i`` (the ``row_scale`` argument; contract version 3).
     with_row_scale: bool = False
+    #: How :meth:`Backend.row_stats_and_grads` forms the gradient: ``True`` keeps each token chunk's
+    #: logits for it (no recompute), ``False`` recomputes them, ``None`` lets the backend's plan choose
+    #: (a hint: a backend without a no-recompute path ignores it).
+    keep_logits: bool | None = None
 
     @property
     def n_stats(self) -> int:

@@ -1,0 +1,227 @@
+"""The gradient of a scalar loss without recomputing the logits: 6NHV of matmul work instead of 8NHV.
+
+For a loss reduced to a scalar, every token's cotangents are known as soon as its statistics are
+(``cotangent_fn``, :meth:`ce_core.Backend.row_stats_and_grads`). So the tokens go in chunks of
+``chunk`` rows, one after another (a ``lax.fori_loop``), and for each chunk:
+
+1. the forward kernel computes the chunk's statistics and also writes its raw logits ``x @ w``
+   (float32, before the cap and the row scale) to an HBM buffer of that chunk only
+   (``ForwardConfig.keep_logits``);
+2. XLA merges the cores' statistics and forms their cotangents (``cotangent_fn``, ``[chunk]``-sized);
+3. the backward kernel reads the kept logits instead of recomputing them (``BackwardConfig.kept_logits``),
+   forms ``delta``, adds the chunk's ``dx`` rows and adds its ``dw`` onto a float32 running sum, which
+   it reads block by block under the steps of each vocab block and writes back in place.
+
+So the MXU runs ``x @ w`` once per token (forward) and the two gradient products (backward), and the
+extra memory is the float32 ``dw`` (padded to whole vocab blocks) and one chunk's logits. The
+chunk's rows are a whole number of both kernels' token blocks where ``N`` allows; the last chunk
+ends at ``N`` and may overlap the one before, its overlapped rows given zero cotangents (they add
+nothing) and their statistics rewritten with the same values.
+
+Where the path does not apply (the placement splits the vocabulary, whose global lse is known only
+after a collective), :class:`ce_pallas_tpu.backend.PallasTpuBackend` keeps the recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ce_core import CotangentFn, RowStats, StatsSpec
+from ce_core.extend import vary_like
+from ce_pallas_tpu import cost_model, tiling
+from ce_pallas_tpu.backward import BackwardConfig, backward_call
+from ce_pallas_tpu.forward import ForwardConfig, forward_call
+from ce_pallas_tpu.layout import cdiv, round_up
+from ce_pallas_tpu.ops import Plan, make_plan, merge_partials, problem_shape, vocab_size
+from ce_pallas_tpu.target import Target, current_target
+
+#: The most tokens per chunk (``None``: :func:`default_chunk` decides; tests set a small number): the
+#: chunk's kept logits are ``4 * chunk * V`` bytes (2 GiB at 4096 tokens and V=128256).
+CHUNK_TOKENS: int | None = None
+#: Bounds of the rule's chunk: fewer rows make each step's matmuls short; more hold more logits.
+MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 1024, 4096
+
+
+def default_chunk(h: int, w_bytes: int, target: Target) -> int:
+    """Tokens per chunk on ``target``: twice the fewest whose HBM traffic hides under their matmuls,
+    in whole 512s within [:data:`MIN_CHUNK_TOKENS`, :data:`MAX_CHUNK_TOKENS`].
+
+    A chunk of ``C`` tokens does ``6 C H V`` flops and moves ``2 w_bytes H V`` (``w`` read by both
+    kernels), ``8 H V`` (the float32 ``dw`` read and written) and ``8 C V`` bytes (the logits written
+    and read): with ``R`` the core's flops per byte, the traffic hides from ``C = 2 R w_bytes H / (6 H -
+    8 R)`` (ignoring ``x``, ``dx`` and the ``[C]`` columns, a fraction ``V / H`` smaller). v5p at H=4096:
+    about 350 tokens; v6e: about 1,400; where ``6 H <= 8 R`` (narrow heads on v6e) no chunk hides it
+    and the largest is taken.
+    """
+    ridge = target.facts.flops_per_byte
+    denominator = 6 * h - 8 * ridge
+    if denominator <= 0:
+        return MAX_CHUNK_TOKENS
+    fewest = (2 * w_bytes + 8) * ridge * h / denominator
+    return int(min(MAX_CHUNK_TOKENS, max(MIN_CHUNK_TOKENS, round_up(math.ceil(2 * fewest), 512))))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptPlan:
+    """The chunking and both kernels' configurations of one kept-logits call (hashable)."""
+
+    n: int
+    h: int
+    v: int
+    chunk: int
+    forward: ForwardConfig
+    backward: BackwardConfig
+    logits_shape: tuple[int, int]  # the kept logits buffer of one chunk (both kernels' blocks)
+    running_dw_shape: tuple[int, int]  # float32 dw in w's layout, padded to whole backward vocab blocks
+
+    @property
+    def chunks(self) -> int:
+        return cdiv(self.n, self.chunk)
+
+    @property
+    def extra_bytes(self) -> int:
+        """HBM this path holds beyond the recompute path's: one chunk's logits and the running dw."""
+        return 4 * (math.prod(self.logits_shape) + math.prod(self.running_dw_shape))
+
+
+def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
+                target: Target | None = None, chunk_tokens: int | None = None) -> KeptPlan:
+    """The chunk and the kernels' tiles for ``x: [n, h]``, ``w`` with ``v`` entries on ``target``;
+    ``chunk_tokens`` (default :data:`CHUNK_TOKENS`, read now, or :func:`default_chunk`) bounds the chunk.
+
+    The tiles are the recompute path's for a chunk of ``chunk`` tokens, with the token block
+    (forward) or vocab block (backward) halved while the kept logits' double-buffered blocks (and, in
+    the backward, the running ``dw`` block and a float32 staging block) do not fit the VMEM budget.
+    """
+    target = current_target() if target is None else target
+    if chunk_tokens is None:
+        chunk_tokens = CHUNK_TOKENS or default_chunk(h, jnp.dtype(w_dtype).itemsize, target)
+    chunk = min(n, chunk_tokens)
+    base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)
+    shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
+    budget = tiling.vmem_budget(target)
+    forward = _fit_forward(base, shape, target, budget)
+    backward = _fit_backward(base, shape, budget)
+    if n > chunk:  # whole token blocks of both kernels per chunk, where that leaves a chunk
+        unit = math.lcm(forward.block_b, backward.block_b)
+        if chunk >= unit:
+            chunk = chunk // unit * unit
+            forward = dataclasses.replace(forward, n=chunk)
+            backward = dataclasses.replace(backward, n=chunk)
+    rows = round_up(max(forward.padded_n, backward.padded_n), math.lcm(forward.block_b, backward.block_b))
+    columns = max(forward.num_cores * forward.nv_per_core * forward.block_v,
+                  backward.num_cores * backward.nv_per_core * backward.block_v)
+    columns = round_up(columns, math.lcm(forward.block_v, backward.block_v))
+    dw_entries = backward.nv * backward.block_v
+    running = (dw_entries, h) if spec.w_layout == "vh" else (h, dw_entries)
+    return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running)
+
+
+def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int) -> ForwardConfig:
+    cfg = dataclasses.replace(base.forward, keep_logits=True)
+    while (cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
+           + 2 * 4 * cfg.block_b * cfg.block_v > budget and cfg.block_b > 8 and cfg.block_b % 16 == 0):
+        cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
+    return cfg
+
+
+def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int) -> BackwardConfig:
+    cfg = dataclasses.replace(base.backward, kept_logits=True)
+
+    def need(c: BackwardConfig) -> int:
+        staging_f32 = 4 - shape.w_bytes  # the staging block is float32 here
+        blocks = c.hp * c.block_v
+        return (cost_model.backward_bytes(shape, c.block_b, c.block_h, c.block_v, single_w=c.w_buffers == 1)
+                + 2 * 4 * c.block_b * c.block_v + 4 * blocks + staging_f32 * blocks)
+
+    while need(cfg) > budget and cfg.block_v > 256 and cfg.block_v % 256 == 0:
+        cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
+    return cfg
+
+
+def row_stats_and_grads(
+    x: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    spec: StatsSpec,
+    cotangent_fn: CotangentFn,
+    token_params: Any,
+    *,
+    row_scale: jax.Array | None = None,
+    plan: KeptPlan | None = None,
+) -> tuple[RowStats, jax.Array, jax.Array]:
+    """Statistics, ``dx`` (``x``'s dtype) and ``dw`` (``w``'s dtype and layout) of ``cotangent_fn``'s
+    cotangents, chunk by chunk with the logits kept (module docs)."""
+    n, h = x.shape
+    v = vocab_size(w, spec)
+    plan = plan_chunks(n, h, v, x.dtype, w.dtype, spec) if plan is None else plan
+    rows = plan.chunk
+    y = labels.astype(jnp.int32)
+    scale = None if row_scale is None else row_scale.astype(jnp.float32)
+
+    def body(index, carry):
+        stats, dx, dw = carry
+        first_new = index * rows
+        start = jnp.minimum(first_new, n - rows) if n % rows else first_new
+        piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
+        x_c, y_c = piece(x), piece(y).reshape(-1, 1)
+        s_c = None if scale is None else piece(scale).reshape(-1, 1)
+        partials = forward_call(x_c, w, y_c, plan.forward, s_c, plan.logits_shape)
+        logits = partials[-1]
+        stats_c = merge_partials(list(partials[:-1]), x_c, w, y_c, plan.forward, s_c)
+        smooth = stats_c._replace(max=None, argmax=None)
+        cotangent = cotangent_fn(smooth, jax.tree.map(piece, token_params))
+        if n % rows:  # rows an earlier chunk owned add nothing now
+            owned = jnp.arange(rows, dtype=jnp.int32) + start >= first_new
+            cotangent = jax.tree.map(lambda g: jnp.where(owned, g, 0.0), cotangent)
+        dx_partials, dw = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, plan)
+        dx_c = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
+        # Each row's dx comes from one chunk (an overlapped row's second is 0), so x's dtype holds it exactly.
+        dx_c = (piece(dx).astype(jnp.float32) + dx_c[:rows, :h]).astype(dx.dtype)
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, 0)
+        put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0)  # noqa: E731
+        stats = jax.tree.map(put, stats, stats_c)
+        return stats, dx, dw
+
+    initial = (_empty_stats(n, spec), jnp.zeros((n, h), x.dtype), jnp.zeros(plan.running_dw_shape, jnp.float32))
+    initial = vary_like(initial, x, w, labels, token_params, row_scale)
+    if plan.chunks == 1:
+        stats, dx, dw = body(0, initial)
+    else:
+        stats, dx, dw = jax.lax.fori_loop(0, plan.chunks, body, initial)
+    dw = dw[:v] if spec.w_layout == "vh" else dw[:, :v]
+    return stats, dx, dw.astype(w.dtype)
+
+
+def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, plan: KeptPlan):
+    """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's)``."""
+    cfg = plan.backward
+
+    def column(g: jax.Array | None) -> jax.Array | None:
+        return None if g is None else g.astype(jnp.float32).reshape(-1, 1)
+
+    g_sum = column(cotangent.sum) if cfg.with_sum else None
+    expected = g_expected = None
+    if cfg.with_expected:
+        expected, g_expected = column(stats.expected), column(cotangent.expected)
+    lse, g_lse, g_label = column(stats.lse), column(cotangent.lse), column(cotangent.label)
+    assert lse is not None and g_lse is not None and g_label is not None
+    return backward_call(x_c, w, y_c, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, s_c,
+                         kept=(logits, running_dw))
+
+
+def _empty_stats(n: int, spec: StatsSpec) -> RowStats:
+    zeros = jnp.zeros((n,), jnp.float32)
+    return RowStats(
+        lse=zeros,
+        label=zeros,
+        sum=zeros if spec.with_sum else None,
+        expected=zeros if spec.with_expected else None,
+        max=zeros if spec.with_argmax else None,
+        argmax=jnp.zeros((n,), jnp.int32) if spec.with_argmax else None,
+    )

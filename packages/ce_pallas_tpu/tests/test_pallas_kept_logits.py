@@ -1,0 +1,175 @@
+"""The no-recompute gradient (``keep_logits=True``): kept logits between the kernels, in interpret mode.
+
+Every scalar-loss option through the public API against the float64 oracle, with chunks small enough
+that a call takes several (the last one overlapping the one before), tiles small enough that both
+kernels take several token and vocab blocks, ragged in N, V and H, on one core (v5e) and two (v5p,
+the vocab split over them, the last core a block short), in the race-checked interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+from ce_core import BlockSizes, linear_cross_entropy
+from ce_core.extend import TOLERANCES, max_rel_error, random_problem
+from ce_core.testing import oracle
+from ce_pallas_tpu import kept_logits
+
+
+@pytest.fixture(autouse=True)
+def _fresh_traces():
+    """The chunk size and the target are read when a call is traced: no trace of another test's reused."""
+    jax.clear_caches()
+
+
+def _problem(seed: int, n: int, h: int, v: int, layout: str, dtype: str):
+    x, labels, w = random_problem(seed, (n,), h, v, ignore_fraction=0.2)
+    if layout == "vh":
+        w = np.ascontiguousarray(w.T)
+    return jnp.asarray(x, dtype), labels, jnp.asarray(w, dtype)
+
+
+def _value_and_grads(x, labels, w, *, keep_logits: bool | None, options: dict, weights):
+    def loss(x_, w_):
+        return linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", keep_logits=keep_logits,
+                                    weights=weights, **options)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+
+def _oracle(x, labels, w, layout: str, options: dict, weights, temperature):
+    w32 = np.asarray(jnp.asarray(w, jnp.float32))
+    plain = {name: value for name, value in options.items() if name not in ("w_layout", "temperature", "block_sizes",
+                                                                            "return_argmax")}
+    expected = oracle(np.asarray(jnp.asarray(x, jnp.float32)), labels, w32.T if layout == "vh" else w32,
+                      weights=weights, temperature=temperature, **plain)
+    if layout == "vh":
+        expected["dw"] = expected["dw"].T
+    return expected
+
+
+@pytest.mark.covering(
+    target=("v5e", "v5p"),
+    layout=("hv", "vh"),
+    reduction=("mean", "sum"),
+    extras=("plain", "z_loss+smoothing", "soft_cap", "weights"),
+    temperature=("none", "scalar", "per_token"),
+    dtype=("float32", "bfloat16"),
+    chunk=(16, 24, 4096),
+)
+def test_kept_logits_matches_the_oracle(interpret, monkeypatch, target, layout, reduction, extras, temperature, dtype,
+                                        chunk):
+    interpret(target)
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", chunk)
+    called = []
+    monkeypatch.setattr(kept_logits, "row_stats_and_grads",
+                        functools.partial(_spy, called, kept_logits.row_stats_and_grads))
+    n, h, v = 45, 200, 300  # ragged everywhere: 45 rows in blocks of 16, H past 128, V past 256
+    x, labels, w = _problem(n + len(extras), n, h, v, layout, dtype)
+    options: dict = dict(reduction=reduction, w_layout=layout, block_sizes=BlockSizes(16, None, 128))
+    if extras == "z_loss+smoothing":
+        options.update(logsumexp_weight=1e-3, label_smoothing=0.1)
+    if extras == "soft_cap":
+        options.update(logit_soft_cap=3.0)
+    rng = np.random.default_rng(n)
+    weights = rng.uniform(0.5, 2.0, n).astype(np.float32) if extras == "weights" else None
+    temperatures = {"none": 1.0, "scalar": 0.7, "per_token": rng.uniform(0.5, 2.0, n).astype(np.float32)}
+    t = temperatures[temperature]
+    if temperature != "none":
+        options["temperature"] = jnp.asarray(t) if temperature == "per_token" else t
+    loss, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=options, weights=weights)
+    assert called, "keep_logits=True did not take the kept-logits path"
+    expected = _oracle(x, labels, w, layout, options, weights, t)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype and dx.shape == x.shape and dw.shape == w.shape
+    loss_tol, grad_tol = TOLERANCES[dtype]
+    assert max_rel_error(loss, expected["loss"]) <= loss_tol
+    assert max_rel_error(dx.astype(jnp.float32), expected["dx"]) <= grad_tol
+    assert max_rel_error(dw.astype(jnp.float32), expected["dw"]) <= grad_tol
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found
+
+
+def _spy(called: list, function, *args, **kwargs):
+    called.append(True)
+    return function(*args, **kwargs)
+
+
+def test_argmax_comes_out_of_the_kept_logits_path(interpret, monkeypatch):
+    interpret("v5p")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 16)
+    x, labels, w = _problem(3, 40, 128, 260, "hv", "float32")
+
+    def loss(x_, w_):
+        return linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", keep_logits=True,
+                                    return_argmax=True, block_sizes=BlockSizes(16, None, 128))
+
+    (value, argmax), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.array_equal(np.asarray(argmax), np.where(labels == -100, -1, np.argmax(z, axis=1)))  # -1: ignored
+    expected = oracle(np.asarray(x), labels, np.asarray(w))
+    assert max_rel_error(value, expected["loss"]) <= TOLERANCES["float32"][0]
+    assert max_rel_error(grads[0], expected["dx"]) <= TOLERANCES["float32"][1]
+
+
+def test_bf16_gradients_are_as_accurate_as_the_recompute_path(interpret, monkeypatch):
+    """Kept logits are the same float32 products the recompute path forms again, and ``dw`` is summed
+    in float32 across chunks: the bf16 gradient errors match the recompute path's."""
+    interpret("v5e")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 32)
+    x, labels, w = _problem(5, 96, 256, 640, "hv", "bfloat16")
+    expected = _oracle(x, labels, w, "hv", {}, None, 1.0)
+    errors = {}
+    for keep in (True, False):
+        options = dict(block_sizes=BlockSizes(32, None, 128))
+        _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=keep, options=options, weights=None)
+        errors[keep] = (max_rel_error(dx.astype(jnp.float32), expected["dx"]),
+                        max_rel_error(dw.astype(jnp.float32), expected["dw"]))
+    for kept, recomputed in zip(errors[True], errors[False], strict=True):
+        assert kept <= 1.05 * recomputed + 1e-6, errors
+
+
+def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interpret):
+    interpret("v5p")
+    from ce_core import StatsSpec
+
+    plan = kept_logits.plan_chunks(1000, 200, 300, jnp.float32, jnp.float32,
+                                   StatsSpec(block_sizes=BlockSizes(16, None, 128)), chunk_tokens=100)
+    assert plan.chunk == 96 and plan.chunks == 11  # 100 rounded down to whole 16-row blocks
+    f, b = plan.forward, plan.backward
+    assert f.keep_logits and b.kept_logits
+    rows, columns = plan.logits_shape
+    assert rows % f.block_b == rows % b.block_b == 0 and rows >= plan.chunk
+    # Both cores' blocks, the last core's missing one included: 3 blocks of 128 split 2 + 1 -> 4.
+    assert columns == 4 * 128
+    assert plan.running_dw_shape == (200, 3 * 128)
+    assert plan.extra_bytes == 4 * (rows * columns + 200 * 384)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", ["v5e", "v5p"])
+def test_kept_logits_compile_and_hold_only_the_chunk_and_the_float32_dw(generation):
+    """Llama-3 8B's head at 16384 tokens, bf16, compiled for the generation: the kept-logits step holds
+    what the recompute step holds plus at most one chunk's logits, the float32 dw and a bf16 ``dx``
+    (``KeptPlan.extra_bytes + 2NH``), far less than the float32 logits a materialised step holds."""
+    from ce_core import StatsSpec
+    from ce_pallas_tpu.target import targeting
+    from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
+
+    n, h, v = 16384, 4096, 128256
+    recompute = compile_loss_and_grads(generation, n, h, v, keep_logits=False)
+    kept = compile_loss_and_grads(generation, n, h, v, keep_logits=True)
+    with targeting(generation):
+        plan = kept_logits.plan_chunks(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(keep_logits=True))
+    assert plan.chunks > 1
+    assert recompute.temp_bytes is not None and kept.temp_bytes is not None
+    extra = kept.temp_bytes - recompute.temp_bytes
+    # At least the chunk's logits; at most those, the running dw and a bf16 dx beside the recompute's buffers.
+    assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
+    assert kept.temp_bytes < 4 * n * v / 2  # under half the materialised step's float32 logits alone
