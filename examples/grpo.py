@@ -1,11 +1,15 @@
-"""A GRPO policy loss on top of ``ce_core.linear_log_probs``: no ``[tokens, vocab]`` logits anywhere.
+"""A GRPO policy loss as one fused call, ``ce_core.linear_token_objective``: no ``[tokens, vocab]`` logits anywhere.
 
 GRPO (group relative policy optimisation) samples a group of completions per prompt, scores them,
 and uses each completion's reward relative to its group as the advantage of every one of its tokens.
 The per-token objective is PPO's clipped importance ratio against the sampling policy's stored
 log-probabilities, optionally with a KL penalty towards a frozen reference policy (the k3 estimator)
-and an entropy bonus. Everything the LM head contributes (``logp`` and ``entropy`` per token)
-comes from one fused call; the rest is ``[batch, tokens]``-sized arithmetic.
+and an entropy bonus; GRPO averages it over each completion's tokens, then over completions.
+
+That per-token objective (``ce_core.policy.PolicyLoss``) goes into the call with its per-token data,
+so the loss is a scalar whose ``d hidden`` and ``d head`` the backend forms in its forward pass: no
+second pass over the logits in the backward pass (on TPU, with ``keep_logits=True``, three matmul
+passes instead of four). The rest is ``[batch, tokens]``-sized arithmetic on the mask and rewards.
 
 Run it for a tiny demonstration step: ``uv run python examples/grpo.py``.
 """
@@ -17,14 +21,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ce_core import linear_log_probs
+from ce_core import linear_log_probs, linear_token_objective
+from ce_core.policy import PolicyInputs, PolicyLoss, token_weights
 
 
 @dataclasses.dataclass(frozen=True)
 class GrpoConfig:
     """Coefficients of the objective (defaults as in common GRPO recipes)."""
 
-    clip_epsilon: float = 0.2  # the ratio is clipped to [1 - eps, 1 + eps]
+    clip_epsilon: float = 0.2  # the ratio is clipped to [1 - eps, 1 + eps_high]
+    clip_epsilon_high: float | None = None  # None: clip_epsilon (DAPO's "clip higher" uses 0.28)
     kl_coefficient: float = 0.0  # weight of KL(policy || reference), k3 estimator
     entropy_coefficient: float = 0.0  # weight of the entropy bonus
     temperature: float = 1.0  # the sampling temperature the old log-probs were taken at
@@ -36,35 +42,6 @@ def group_advantages(rewards: jax.Array, group_size: int, eps: float = 1e-6) -> 
     mean = grouped.mean(axis=1, keepdims=True)
     std = grouped.std(axis=1, keepdims=True)
     return ((grouped - mean) / (std + eps)).reshape(rewards.shape)
-
-
-def grpo_objective(
-    logp: jax.Array,
-    entropy: jax.Array,
-    old_logp: jax.Array,
-    advantages: jax.Array,
-    mask: jax.Array,
-    config: GrpoConfig,
-    ref_logp: jax.Array | None = None,
-) -> jax.Array:
-    """The scalar GRPO loss from per-token quantities, all ``[batch, tokens]`` but ``advantages`` ``[batch]``.
-
-    Per token: ``-min(r A, clip(r, 1 - eps, 1 + eps) A) + beta * KL - alpha * entropy`` with the
-    importance ratio ``r = exp(logp - old_logp)``; averaged over each completion's tokens (``mask``),
-    then over completions.
-    """
-    ratio = jnp.exp(logp - old_logp)
-    advantage = advantages[:, None]
-    clipped = jnp.clip(ratio, 1.0 - config.clip_epsilon, 1.0 + config.clip_epsilon)
-    per_token = -jnp.minimum(ratio * advantage, clipped * advantage)
-    if ref_logp is not None and config.kl_coefficient:
-        log_ratio = ref_logp - logp
-        per_token = per_token + config.kl_coefficient * (jnp.exp(log_ratio) - log_ratio - 1.0)
-    if config.entropy_coefficient:
-        per_token = per_token - config.entropy_coefficient * entropy
-    mask = mask.astype(per_token.dtype)
-    per_sequence = jnp.sum(per_token * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-    return jnp.mean(per_sequence)
 
 
 def grpo_loss(
@@ -80,12 +57,19 @@ def grpo_loss(
 ) -> jax.Array:
     """GRPO loss of a policy whose final hidden states are ``hidden [batch, tokens, H]`` and LM head ``head [H, V]``.
 
-    ``tokens`` are the sampled completion tokens and ``mask`` marks them (prompt and padding are 0).
+    ``tokens`` are the sampled completion tokens and ``mask`` marks them (prompt and padding are 0);
+    ``old_logp`` and ``ref_logp`` are ``[batch, tokens]``, ``advantages`` ``[batch]``. Per token:
+    ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A) + beta * KL - alpha * entropy`` with the importance
+    ratio ``r = exp(logp - old_logp)``; averaged over each completion's tokens, then over completions.
     """
     labels = jnp.where(mask.astype(bool), tokens, -100)
-    logp, entropy = linear_log_probs(hidden, labels, head, temperature=config.temperature, return_entropy=True,
-                                     implementation=implementation)
-    return grpo_objective(logp, entropy, old_logp, advantages, mask, config, ref_logp)
+    objective = PolicyLoss(clip_low=config.clip_epsilon, clip_high=config.clip_epsilon_high,
+                           kl_coefficient=config.kl_coefficient if ref_logp is not None else 0.0,
+                           entropy_coefficient=config.entropy_coefficient)
+    inputs = PolicyInputs(old_logp=old_logp, advantages=advantages[:, None], weights=token_weights(mask, "sequence"),
+                          ref_logp=ref_logp)
+    return linear_token_objective(hidden, labels, head, objective, inputs, temperature=config.temperature,
+                                  implementation=implementation)
 
 
 def demo() -> None:

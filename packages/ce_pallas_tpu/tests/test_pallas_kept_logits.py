@@ -18,8 +18,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 from ce_core import BlockSizes, linear_cross_entropy
-from ce_core.extend import TOLERANCES, max_rel_error, random_problem
-from ce_core.testing import oracle
+from ce_core.extend import TOLERANCES, max_rel_error, oracle, random_problem
 from ce_pallas_tpu import kept_logits
 
 

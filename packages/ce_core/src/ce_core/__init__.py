@@ -3,8 +3,10 @@
 Importing this package imports no backend; a backend is loaded the first time its name is used.
 """
 
+from ce_core import policy
 from ce_core.api.log_probs import linear_log_probs
 from ce_core.api.loss import linear_cross_entropy
+from ce_core.api.objective import TokenFn, TokenObjectiveOptions, linear_token_objective
 from ce_core.api.options import (
     LogitOptions,
     LogProbsOptions,
@@ -56,6 +58,8 @@ __all__ = [
     "ShardedLossOptions",
     "StatsSpec",
     "TileReport",
+    "TokenFn",
+    "TokenObjectiveOptions",
     "UnsupportedError",
     "available_backends",
     "default_chain",
@@ -63,7 +67,9 @@ __all__ = [
     "installed_backends",
     "linear_cross_entropy",
     "linear_log_probs",
+    "linear_token_objective",
     "localize_cotangent",
+    "policy",
     "register_backend",
     "sharded_linear_cross_entropy",
     "unregister_backend",

@@ -156,17 +156,20 @@ def prepare(
 
 
 def run_placed(fn: Callable[..., Any], x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *,
-               weights: jax.Array | None = None, temperature_tokens: jax.Array | None = None, options: Options,
-               **static: Any) -> Any:
+               weights: jax.Array | None = None, temperature_tokens: jax.Array | None = None,
+               token_inputs: tuple[jax.Array, ...] | None = None, options: Options, **static: Any) -> Any:
     """``fn(x, labels, w, placement, weights=..., temperature_tokens=..., options=..., **static)``, jitted where needed.
 
     Under Auto axes the mesh of a call made outside ``jit`` is often only the abstract one of its
     traced inputs (``jax.grad`` of an eager call): the inputs cannot be laid out on it op by op, so
     the call is compiled as one program, as the caller's own ``jit`` would (the labels are checked
-    first, while they are still concrete). ``weights`` and ``temperature_tokens`` are traced; ``options``
+    first, while they are still concrete). ``weights``, ``temperature_tokens`` and ``token_inputs`` (per-token
+    arrays of :func:`ce_core.linear_token_objective`, passed to ``fn`` only when given) are traced; ``options``
     and ``static`` are static.
     """
-    traced = dict(weights=weights, temperature_tokens=temperature_tokens)
+    traced: dict[str, Any] = dict(weights=weights, temperature_tokens=temperature_tokens)
+    if token_inputs is not None:
+        traced["token_inputs"] = token_inputs
     if placement.kind != "shard_map" or not isinstance(placement.mesh, AbstractMesh) or placement.mesh.explicit_axes:
         return fn(x, labels, w, placement, options=options, **traced, **static)
     validation.check_concrete_labels(labels, w.shape[validation.vocab_dim(options.w_layout)], options.ignore_index)

@@ -64,11 +64,17 @@ def row_stats(backend: Backend, spec: StatsSpec, placement: Placement, x: jax.Ar
 
 
 def row_stats_and_grads(backend: Backend, spec: StatsSpec, placement: Placement, cotangent_fn: CotangentFn,
-                        x: jax.Array, w: jax.Array, labels: jax.Array, coefficients: jax.Array,
+                        x: jax.Array, w: jax.Array, labels: jax.Array,
+                        coefficients: jax.Array | tuple[jax.Array, ...],
                         row_scale: jax.Array | None = None) -> tuple[RowStats, jax.Array, jax.Array]:
-    """Statistics with ``dx`` and ``dw`` (dtypes of ``x`` and ``w``) for ``cotangent_fn``'s cotangents."""
-    out = run(RowStatsAndGradsFn(backend, spec, cotangent_fn), placement, x, w, labels,
-              *_scale_args(spec, row_scale), coefficients)
+    """Statistics with ``dx`` and ``dw`` (dtypes of ``x`` and ``w``) for ``cotangent_fn``'s cotangents.
+
+    ``coefficients``: one per-token array, or a tuple of them (``cotangent_fn`` then gets the tuple).
+    """
+    packed = isinstance(coefficients, tuple)
+    params = coefficients if isinstance(coefficients, tuple) else (coefficients,)
+    fn = RowStatsAndGradsFn(backend, spec, cotangent_fn, n_params=len(params) if packed else None)
+    out = run(fn, placement, x, w, labels, *_scale_args(spec, row_scale), *params)
     return stats_from(out, spec), out[-2], out[-1]
 
 

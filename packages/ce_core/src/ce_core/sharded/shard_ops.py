@@ -152,28 +152,32 @@ class RowStatsAndGradsFn(ShardFn):
     """``(x, w, labels[, row_scale], coefficients) -> (*stats, dx, dw)`` for a scalar loss.
 
     ``cotangent_fn(stats, coefficients)`` gives the cotangents of the statistics (see
-    :meth:`ce_core.Backend.row_stats_and_grads`; it sees them without ``max``/``argmax``). Without
+    :meth:`ce_core.Backend.row_stats_and_grads`; it sees them without ``max``/``argmax``).
+    ``coefficients`` is one ``"tokens"`` array, or (``n_params`` set) that many, which
+    ``cotangent_fn`` then receives as a tuple (the inputs of :func:`ce_core.linear_token_objective`). Without
     vocab shards the backend forms ``dx`` and ``dw`` in its forward pass (6NHV on backends that fuse).
     With vocab shards a token's cotangents need the global lse first, so each shard keeps its forward
     residuals, combines, and then runs its backward pass (8NHV).
     """
 
     cotangent_fn: CotangentFn
+    n_params: int | None = None
 
     @property
     def in_kinds(self) -> tuple[str, ...]:
-        return (*self.head_kinds, "tokens")
+        return (*self.head_kinds, *("tokens",) * (1 if self.n_params is None else self.n_params))
 
     @property
     def out_kinds(self) -> tuple[str, ...]:
         return ("tokens",) * self.n_stats + ("x", "w")
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
-        x, w, labels, scale, (coefficients,) = self.split_head(args)
+        x, w, labels, scale, params = self.split_head(args)
         xf, w_, yf, sf = align_varying(_flat_rows(x), w, labels.reshape(-1), _flat_tokens(scale))
         # Not aligned: the coefficients must vary like the combined statistics, or differentiating
         # sum(coefficients * losses) would sum the statistics' cotangents over the vocab shards.
-        cf = coefficients.reshape(-1)
+        flat_params = tuple(p.reshape(-1) for p in params)
+        cf: Any = flat_params[0] if self.n_params is None else flat_params
         v = local_vocab(w, self.spec)
         yf = yf - vocab_offset(axes.vocab, v)
         scale_kw = _scale_kw(self.spec, sf)
