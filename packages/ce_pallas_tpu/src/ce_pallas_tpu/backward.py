@@ -154,20 +154,76 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
         dx_rows = _dx_rows(dxp_hbm, dx_buf, sems, core, i, cfg)
         _begin_dx_rows(dx_rows, dx_buf, jj)
         _mask_ragged_operands(x_ref, w_ref, i, block, cfg)
-        previous = None
-        if z_ref is not None:
-            _mask_ragged_logits(z_ref, i, block, cfg)
-            previous = _read_running_dw(dw_hbm, dw_previous, sems, i, block, cfg)
-        d = _logit_cotangent(x_ref, w_ref, z_ref, rows, i, block, cfg)
+        d = _logit_cotangent(x_ref, w_ref, None, rows, i, block, cfg)
         _dw_step(x_ref, d, dw_acc, i, cfg)
         write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
-        _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg, previous)
+        _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg)
         _dx_step(w_ref, d, dx_buf, dx_rows, i, jj, cfg)
 
+    def kept_step():
+        _prepare_resident_x(x_ref, jj, i, cfg)
+        _mask_ragged_operands(None, w_ref, i, block, cfg)
+        _mask_ragged_logits(z_ref, i, block, cfg)
+        previous = _read_running_dw(dw_hbm, dw_previous, sems, i, block, cfg)
+        d = _logit_cotangent(None, w_ref, z_ref, rows, i, block, cfg)
+        _dw_step(x_ref.at[_token_rows(i, cfg)], d, dw_acc, i, cfg)
+        write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
+        _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg, previous)
+        _dx_resident_step(w_ref, d, dx_buf.at[_token_rows(i, cfg)], jj, cfg)
+
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
-        pl.when(block < cfg.nv)(step)
+        pl.when(block < cfg.nv)(kept_step if cfg.kept_logits else step)
     else:
-        step()
+        (kept_step if cfg.kept_logits else step)()
+    if cfg.kept_logits:
+        _write_resident_dx(dx_buf, dxp_hbm, sems, core, jj, i, cfg)
+
+
+def _token_rows(i, cfg: BackwardConfig) -> pl.Slice:
+    """Token block ``i``'s rows of a chunk-resident buffer (kept-logits mode)."""
+    return pl.ds(0 if cfg.nb == 1 else pl.multiple_of(i * cfg.block_b, cfg.block_b), cfg.block_b)
+
+
+def _prepare_resident_x(x_ref, jj, i, cfg: BackwardConfig) -> None:
+    """Kept-logits mode holds the chunk's ``x`` in VMEM for the whole grid (fetched once per core): its
+    rows past ``N`` and columns past ``H`` are zeroed at the core's first step."""
+    if cfg.n == cfg.padded_n and cfg.hidden == cfg.hp:
+        return
+
+    @pl.when((jj == 0) & (i == 0))
+    def _():
+        if cfg.n != cfg.padded_n:
+            row = jax.lax.broadcasted_iota(jnp.int32, x_ref.shape, 0)
+            x_ref[...] = jnp.where(row < cfg.n, x_ref[...], jnp.zeros((), x_ref.dtype))
+        if cfg.hidden != cfg.hp:
+            common.zero_hidden_tail(x_ref, None, cfg.hidden, cfg.hp)
+
+
+def _dx_resident_step(w_ref, d: jax.Array, dx_rows, jj, cfg: BackwardConfig) -> None:
+    """Kept-logits mode: the core's dx partial of the whole chunk stays in VMEM across its vocab blocks
+    (no HBM round trip per step); this token block's rows zeroed at the core's first vocab block, and
+    the product added unconditionally, so the MXU result goes straight into them."""
+
+    @pl.when(jj == 0)
+    def _():
+        dx_rows[...] = jnp.zeros(dx_rows.shape, jnp.float32)
+
+    for chunk in _hidden_chunks(cfg):
+        if cfg.w_layout == "vh":
+            dx_rows[:, chunk] += common.matmul(d, w_ref[:, chunk], cfg.precision)
+        else:
+            dx_rows[:, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
+
+
+def _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg: BackwardConfig) -> None:
+    """At the core's last vocab block, each token block's finished dx rows copied to the core's partial."""
+    rows = _token_rows(i, cfg)
+    copy = pltpu.make_async_copy(dx_acc.at[rows], dxp_hbm.at[core, rows], sems.at[1])
+
+    @pl.when(jj == cfg.nv_per_core - 1)
+    def _():
+        copy.start()
+        copy.wait()
 
 
 def _hidden_chunks(cfg: BackwardConfig) -> list[pl.Slice]:
@@ -203,8 +259,9 @@ def _begin_dx_rows(dx_rows: _DxRows, dx_buf, jj) -> None:
 
 def _mask_ragged_operands(x_ref, w_ref, i, block, cfg: BackwardConfig) -> None:
     """Garbage rows of x / columns of w in ragged last blocks, and past ``H`` in both, zeroed in their
-    VMEM buffers: they would otherwise meet a zero of delta in a product (0 * NaN = NaN)."""
-    if cfg.n % cfg.block_b:
+    VMEM buffers: they would otherwise meet a zero of delta in a product (0 * NaN = NaN). ``x_ref``
+    None: ``w`` only."""
+    if x_ref is not None and cfg.n % cfg.block_b:
 
         @pl.when(i == cfg.nb - 1)
         def _():
@@ -213,7 +270,7 @@ def _mask_ragged_operands(x_ref, w_ref, i, block, cfg: BackwardConfig) -> None:
 
     vh = cfg.w_layout == "vh"
     if cfg.hidden != cfg.hp:
-        common.zero_hidden_tail(x_ref, None if vh else w_ref, cfg.hidden, cfg.hp)
+        common.zero_hidden_tail(x_ref, None if vh else w_ref, cfg.hidden, cfg.hp)  # (either may be None)
         if vh:  # the hidden tail is the last 128 columns of a [block_v, Hp] block
             tail = pl.ds(cfg.hp - LANES, LANES)
             cols = jax.lax.broadcasted_iota(jnp.int32, (w_ref.shape[0], LANES), 1)
@@ -501,7 +558,8 @@ def backward_call(
     scratch = [
         pltpu.VMEM(cfg.dw_acc_shape, jnp.float32),  # dw accumulator
         pltpu.VMEM(_block_shape(cfg, cfg.hidden), dw_dtype),  # dw staging: the finished tile on its way out
-        pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
+        # dx partial rows: two slots, read-add-write (kept mode: the whole chunk's, resident)
+        pltpu.VMEM((cfg.padded_n, cfg.hp) if cfg.kept_logits else (2, cfg.block_b, cfg.hp), jnp.float32),
         pltpu.SemaphoreType.DMA((4 if cfg.kept_logits else 3,)),  # dx rows in, dx rows out, dw out (, dw in)
     ]
     remainder = _dw_tail_split(cfg)[1]
@@ -568,7 +626,11 @@ def _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_exp
         return (i, 0)
 
     column = pl.BlockSpec((cfg.block_b, 1), rows)
-    in_specs = [pl.BlockSpec((cfg.block_b, cfg.hp), rows), _w_block_spec(cfg), column]
+    if cfg.kept_logits:  # the chunk's x resident in VMEM: fetched once per core, one buffer
+        x_spec = common.block_spec((cfg.padded_n, cfg.hp), lambda c, j, i: (0, 0), pl.Buffered(1))
+    else:
+        x_spec = pl.BlockSpec((cfg.block_b, cfg.hp), rows)
+    in_specs = [x_spec, _w_block_spec(cfg), column]
     operands = [x, w, labels]
     if cfg.with_row_scale:
         assert row_scale is not None, "cfg.with_row_scale needs row_scale"

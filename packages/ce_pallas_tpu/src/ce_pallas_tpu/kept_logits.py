@@ -94,19 +94,24 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     """The chunk and the kernels' tiles for ``x: [n, h]``, ``w`` with ``v`` entries on ``target``;
     ``chunk_tokens`` (default :data:`CHUNK_TOKENS`, read now, or :func:`default_chunk`) bounds the chunk.
 
-    The tiles are the recompute path's for a chunk of ``chunk`` tokens, with the token block
-    (forward) or vocab block (backward) halved while the kept logits' double-buffered blocks (and, in
-    the backward, the running ``dw`` block and a float32 staging block) do not fit the VMEM budget.
+    The tiles are the recompute path's for a chunk, adjusted to the VMEM budget: the forward's token
+    block halved while its kept-logits blocks do not fit; the backward, which holds the chunk's ``x``
+    and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its vocab block halved down to
+    256, then the chunk.
     """
     target = current_target() if target is None else target
     if chunk_tokens is None:
         chunk_tokens = CHUNK_TOKENS or default_chunk(h, jnp.dtype(w_dtype).itemsize, target)
-    chunk = min(n, chunk_tokens)
-    base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)
-    shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
     budget = tiling.vmem_budget(target)
-    forward = _fit_forward(base, shape, target, budget)
-    backward = _fit_backward(base, shape, budget)
+    chunk = min(n, chunk_tokens)
+    while True:
+        base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)
+        shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
+        forward = _fit_forward(base, shape, target, budget)
+        backward = _fit_backward(base, shape, budget)
+        if _backward_need(backward, shape) <= budget or chunk <= MIN_FITTED_CHUNK:
+            break
+        chunk = max(MIN_FITTED_CHUNK, chunk // 2)
     if n > chunk:  # whole token blocks of both kernels per chunk, where that leaves a chunk
         unit = math.lcm(forward.block_b, backward.block_b)
         if chunk >= unit:
@@ -122,6 +127,10 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running)
 
 
+#: The chunk is not halved below this many tokens to fit the backward's VMEM.
+MIN_FITTED_CHUNK = 256
+
+
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int) -> ForwardConfig:
     cfg = dataclasses.replace(base.forward, keep_logits=True)
     while (cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
@@ -130,16 +139,22 @@ def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: in
     return cfg
 
 
+def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
+    """VMEM of the kept-logits backward: the recompute backward's model with its ``x`` blocks and ``dx``
+    slots replaced by the chunk-resident ``x`` and float32 ``dx``, plus the kept logits' blocks, the
+    running ``dw``'s block and a float32 (not ``w``-typed) staging block."""
+    rows, hp = round_up(cfg.padded_n, 16), cfg.hp
+    blocks = hp * cfg.block_v
+    recompute = cost_model.backward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, single_w=cfg.w_buffers == 1)
+    blocked = 2 * cfg.block_b * hp * (shape.x_bytes + 4)
+    resident = rows * hp * (shape.x_bytes + 4)
+    logits = 2 * 4 * cfg.block_b * cfg.block_v
+    return recompute - blocked + resident + logits + 4 * blocks + (4 - shape.w_bytes) * blocks
+
+
 def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int) -> BackwardConfig:
     cfg = dataclasses.replace(base.backward, kept_logits=True)
-
-    def need(c: BackwardConfig) -> int:
-        staging_f32 = 4 - shape.w_bytes  # the staging block is float32 here
-        blocks = c.hp * c.block_v
-        return (cost_model.backward_bytes(shape, c.block_b, c.block_h, c.block_v, single_w=c.w_buffers == 1)
-                + 2 * 4 * c.block_b * c.block_v + 4 * blocks + staging_f32 * blocks)
-
-    while need(cfg) > budget and cfg.block_v > 256 and cfg.block_v % 256 == 0:
+    while _backward_need(cfg, shape) > budget and cfg.block_v > 256 and cfg.block_v % 256 == 0:
         cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
     return cfg
 

@@ -47,22 +47,25 @@ SCHEDULE_CHIPS: dict[str, ScheduleChip] = {
 PROFILED_GENERATIONS = tuple(SCHEDULE_CHIPS)
 
 
-def kernel_matmuls(kernel: str, block_b: int, step_h: int, block_v: int) -> list[tuple[int, int, int]]:
+def kernel_matmuls(kernel: str, block_b: int, step_h: int, block_v: int,
+                   kept: bool = False) -> list[tuple[int, int, int]]:
     """The ``(M, K, N)`` matmuls of one grid step of a kernel with tiles ``block_b x step_h x block_v``.
 
     ``step_h`` is the hidden extent of a step's tiles: the forward's hidden block, the whole padded
     hidden size ``hp`` in the backward. Forward: the logit tile ``x @ w``. Backward: the logits
-    again, ``dw = x.T @ delta`` and ``dx = delta @ w.T``.
+    again, ``dw = x.T @ delta`` and ``dx = delta @ w.T``; with ``kept`` (the no-recompute path's backward)
+    the last two only.
     """
     if kernel == "forward":
         return [(block_b, step_h, block_v)]
     if kernel == "backward":
-        return [(block_b, step_h, block_v), (step_h, block_b, block_v), (block_b, block_v, step_h)]
+        gradients = [(step_h, block_b, block_v), (block_b, block_v, step_h)]
+        return gradients if kept else [(block_b, step_h, block_v), *gradients]
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def mxu_cycles(generation: str, kernel: str, block_b: int, step_h: int, block_v: int) -> float:
+def mxu_cycles(generation: str, kernel: str, block_b: int, step_h: int, block_v: int, kept: bool = False) -> float:
     """Fewest MXU cycles of one grid step (bf16 operands, one pass per product); arguments as in
     :func:`kernel_matmuls`."""
     chip = SCHEDULE_CHIPS[generation]
-    return sum(chip.matmul_cycles(m, k, n) for m, k, n in kernel_matmuls(kernel, block_b, step_h, block_v))
+    return sum(chip.matmul_cycles(m, k, n) for m, k, n in kernel_matmuls(kernel, block_b, step_h, block_v, kept))

@@ -27,8 +27,14 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     from ce_pallas_tpu import ops
     from ce_pallas_tpu.target import active_cores, current_target
 
-    plan = ops.make_plan(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec)
-    cfg = plan.forward if kernel == "forward" else plan.backward
+    if spec.keep_logits:  # one chunk of n tokens of the no-recompute path
+        from ce_pallas_tpu import kept_logits
+
+        kept = kept_logits.plan_chunks(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec, chunk_tokens=n)
+        cfg = kept.forward if kernel == "forward" else kept.backward
+    else:
+        plan = ops.make_plan(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec)
+        cfg = plan.forward if kernel == "forward" else plan.backward
     if tiles is not None:
         block_b, block_h, block_v = tiles
         block_b, block_v = min(block_b, n), min(block_v, v)
@@ -46,21 +52,27 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str,
     def operand(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
+    kept = getattr(cfg, "keep_logits", False) or getattr(cfg, "kept_logits", False)
+    logits_shape = (cfg.padded_n, cfg.num_cores * cfg.nv_per_core * cfg.block_v)
     x = operand((cfg.n, cfg.hidden), x_dtype)
     w = operand((cfg.v, cfg.hidden) if cfg.w_layout == "vh" else (cfg.hidden, cfg.v), w_dtype)
     labels = operand((cfg.n, 1), jnp.int32)
     if kernel == "forward":
         assert isinstance(cfg, ForwardConfig), cfg
-        return (lambda x_, w_, y_: forward_call(x_, w_, y_, cfg)), (x, w, labels)
+        shape = logits_shape if kept else None
+        return (lambda x_, w_, y_: forward_call(x_, w_, y_, cfg, kept_shape=shape)), (x, w, labels)
     assert isinstance(cfg, BackwardConfig), cfg
     column = operand((cfg.n, 1), jnp.float32)
     n_optional = cfg.with_sum + 2 * cfg.with_expected  # g_sum, then expected and g_expected
     columns = (column,) * (3 + n_optional)
+    running = (cfg.nv * cfg.block_v, cfg.hidden) if cfg.w_layout == "vh" else (cfg.hidden, cfg.nv * cfg.block_v)
+    kept_operands = (operand(logits_shape, jnp.float32), operand(running, jnp.float32)) if kept else ()
 
     def backward(x_, w_, y_, lse, g_lse, g_label, *optional):
         rest = list(optional)
         g_sum = rest.pop(0) if cfg.with_sum else None
         expected, g_expected = (rest.pop(0), rest.pop(0)) if cfg.with_expected else (None, None)
-        return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum, expected, g_expected, cfg)
+        kept_in = (rest.pop(0), rest.pop(0)) if kept else None
+        return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, kept=kept_in)
 
-    return backward, (x, w, labels, *columns)
+    return backward, (x, w, labels, *columns, *kept_operands)

@@ -27,6 +27,9 @@ class Job:
     precision: str | None = None
     w_layout: str = "hv"  # "vh": a [V, H] head (tied embedding)
     with_argmax: bool = False  # the forward also tracks each row's argmax (return_argmax=True)
+    #: The kernels of the no-recompute path (``keep_logits=True``) at one chunk of ``n`` tokens: the
+    #: forward writing its logits, the backward reading them (two matmuls) and adding onto a float32 dw.
+    keep_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -39,7 +42,7 @@ class Job:
         """What the job asks beyond the plain loss, in words (``""`` for the plain loss)."""
         parts = [name for name, on in (("vh", self.w_layout == "vh"), ("argmax", self.with_argmax),
                                        ("rl", self.with_expected), ("sum", self.with_sum),
-                                       ("cap", self.logit_soft_cap is not None)) if on]
+                                       ("cap", self.logit_soft_cap is not None), ("kept", self.keep_logits)) if on]
         return "+".join(parts)
 
     @classmethod

@@ -31,7 +31,7 @@ def _config(job: Job) -> Any:
     from ce_pallas_tpu.tooling.schedule.programs import kernel_config
 
     spec = StatsSpec(logit_soft_cap=job.logit_soft_cap, with_sum=job.with_sum, with_expected=job.with_expected,
-                     w_layout=job.w_layout, with_argmax=job.with_argmax)
+                     w_layout=job.w_layout, with_argmax=job.with_argmax, keep_logits=job.keep_logits or None)
     if job.precision is not None:
         spec = dataclasses.replace(spec, precision=job.precision)
     return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers)
@@ -83,11 +83,17 @@ def block_bytes_per_step(job: Job, cfg: Any) -> float:
     import jax.numpy as jnp
 
     x_bytes, w_bytes = jnp.dtype(job.x_dtype).itemsize, jnp.dtype(job.w_dtype).itemsize
+    logits = 4 * cfg.block_b * cfg.block_v if job.keep_logits else 0  # the kept logits' block, out or in
+    if job.kernel == "backward" and job.keep_logits:  # x and dx stay in VMEM for the chunk
+        return (cfg.block_b * cfg.hp * (x_bytes + 4) / cfg.nv_per_core
+                + cfg.hp * cfg.block_v * (w_bytes + 8) / cfg.nb + logits)
     if job.kernel == "forward":  # a w block every step; x once per token block unless hidden is blocked
         x_block = cfg.block_b * cfg.block_h * x_bytes
-        return cfg.block_h * cfg.block_v * w_bytes + (x_block if cfg.nh > 1 else x_block / cfg.nv_per_core)
-    # The backward: x and the float32 dx partial (in and out) every step, w and dw once per vocab block.
-    return cfg.block_b * cfg.hp * (x_bytes + 8) + 2 * cfg.hp * cfg.block_v * w_bytes / cfg.nb
+        return cfg.block_h * cfg.block_v * w_bytes + (x_block if cfg.nh > 1 else x_block / cfg.nv_per_core) + logits
+    # The backward: x and the float32 dx partial (in and out) every step, w and dw once per vocab block
+    # (kept: the float32 running dw read and written).
+    dw_bytes = 8 if job.keep_logits else w_bytes
+    return cfg.block_b * cfg.hp * (x_bytes + 8) + cfg.hp * cfg.block_v * (w_bytes + dw_bytes) / cfg.nb + logits
 
 
 def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> KernelSchedule:
@@ -117,7 +123,7 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
 
     cycles_fit = BilinearFit.of({p: t.cycles for p, t in traces.items()})
     step_h = cfg.block_h if job.kernel == "forward" else cfg.hp
-    mxu = mxu_cycles(generation, job.kernel, cfg.block_b, step_h, cfg.block_v)
+    mxu = mxu_cycles(generation, job.kernel, cfg.block_b, step_h, cfg.block_v, job.keep_logits)
     record.tiles = (cfg.block_b, cfg.block_h, cfg.block_v)
     record.w_buffers = getattr(cfg, "w_buffers", None)
     record.grid = ((cfg.num_cores, cfg.nb, cfg.nv_per_core, cfg.nh) if job.kernel == "forward"
@@ -139,7 +145,8 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
     record.step_us = cycles_per_step / chip.clock_hz * 1e6
     record.kernel_us = record.step_us * steps
     record.hbm_floor_us = record.hbm_us_per_step * steps
-    flops = 2 * len(kernel_matmuls(job.kernel, cfg.block_b, cfg.hp, cfg.block_v)) * cfg.n * cfg.hp * cfg.v
+    matmuls = kernel_matmuls(job.kernel, cfg.block_b, cfg.hp, cfg.block_v, job.keep_logits)
+    flops = 2 * len(matmuls) * cfg.n * cfg.hp * cfg.v
     record.roofline_us = flops / (chip.bf16_flops * cfg.num_cores) * 1e6
     record.grids_compiled = list(points)
     record.compile_s = time.perf_counter() - start
