@@ -34,26 +34,26 @@ MiB = 2**20
 
 #: name -> (budgets, forced gradient order or None)
 VARIANTS: dict[str, tuple[target.PlatformBudgets, GradientOrder | None]] = {
-    "TPU's (64/32/8 MiB)": (target.ACCELERATOR, None),
+    "TPU's (64/32/8 MiB)": (target.ACCELERATOR, "vocab_outer"),
     "x2 (128/64/32)": (
         target.PlatformBudgets(
             logits_bytes=128 * MiB, dw_slice_bytes=64 * MiB, grad_tile_bytes=32 * MiB, recompute_tile_bytes=32 * MiB
         ),
-        None,
+        "vocab_outer",
     ),
     "x4 (256/128/64)": (
         target.PlatformBudgets(
             logits_bytes=256 * MiB, dw_slice_bytes=128 * MiB, grad_tile_bytes=64 * MiB, recompute_tile_bytes=64 * MiB
         ),
-        None,
+        "vocab_outer",
     ),
-    "GPU's (x4, 512 MiB statistics from 512 rows)": (target.GPU, None),
+    "GPU's (x4, 512 MiB statistics from 512 rows)": (target.GPU, "vocab_outer"),
     "GPU's + 1 GiB statistics": (dataclasses.replace(target.GPU, logits_bytes=1024 * MiB, stats_rows=1024), None),
     "x8 (512/256/256)": (
         target.PlatformBudgets(
             logits_bytes=512 * MiB, dw_slice_bytes=256 * MiB, grad_tile_bytes=256 * MiB, recompute_tile_bytes=256 * MiB
         ),
-        None,
+        "vocab_outer",
     ),
     "tokens outer, 512 MiB rows": (
         target.PlatformBudgets(logits_bytes=512 * MiB, grad_slice_bytes=256 * MiB, recompute_tile_bytes=256 * MiB),

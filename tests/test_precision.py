@@ -59,10 +59,16 @@ def test_highest_precision_reaches_every_product(backend, call):
 
 
 def test_highest_precision_reaches_the_vocab_outer_gradient_pass():
-    """A bf16 head too wide for a float32 ``dw`` takes the vocab-outer order (its own loops)."""
+    """A bf16 head whose call asks to recompute the logits (``keep_logits=False``) takes the vocab-outer
+    order (its own loops)."""
     x = jnp.ones((N, 64), jnp.bfloat16)
     w = jnp.ones((64, 270_000), jnp.bfloat16)
     report = ce_core.get_backend("xla").block_sizes_for(
-        ce_core.Problem(N, 64, 270_000, x.dtype, w.dtype, ce_core.StatsSpec()))
+        ce_core.Problem(N, 64, 270_000, x.dtype, w.dtype, ce_core.StatsSpec(keep_logits=False)))
     assert report is not None and report.details["gradient_order"] == "vocab_outer"
-    assert set(_dot_precisions(_calls("xla", "high")["mean"], x, w)) == {"HIGH,HIGH"}
+    labels = jnp.arange(N) % V
+
+    def mean(x_, w_):
+        return ce_core.linear_cross_entropy(x_, labels, w_, implementation="xla", precision="high", keep_logits=False)
+
+    assert set(_dot_precisions(mean, x, w)) == {"HIGH,HIGH"}

@@ -33,10 +33,15 @@ def test_block_sizes_for_reports_the_chunk_plan():
     assert report.source.startswith("explicit")
 
 
-@pytest.mark.parametrize("dtype,order", [(jnp.float32, "tokens_outer"), (jnp.bfloat16, "vocab_outer")])
-def test_block_sizes_for_reports_the_gradient_order_of_the_dtypes(dtype, order):
+@pytest.mark.parametrize("dtype,shape,order", [
+    (jnp.float32, (8192, 8192, 262144), "tokens_outer"),  # the dw accumulator is the float32 gradient
+    (jnp.bfloat16, (8192, 8192, 262144), "vocab_outer"),  # 4HV - 4NH = 7.75 GiB: over the 4 GiB cap
+    (jnp.bfloat16, (4096, 512, 32768), "tokens_outer"),  # 4HV - 4NH = 56 MiB
+])
+def test_block_sizes_for_reports_the_gradient_order_of_the_dtypes(dtype, shape, order):
     backend = xla_backend()
-    problem = ce_core.Problem(8192, 4096, 128256, jnp.dtype(dtype), jnp.dtype(dtype), ce_core.StatsSpec())
+    n, h, v = shape
+    problem = ce_core.Problem(n, h, v, jnp.dtype(dtype), jnp.dtype(dtype), ce_core.StatsSpec())
     assert backend.block_sizes_for(problem).details["gradient_order"] == order
 
 
@@ -46,10 +51,18 @@ def test_block_sizes_for_plans_for_the_tpu_being_compiled_for():
 
     device = topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu").devices[0]
     problem = ce_core.Problem(8192, 4096, 128256, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16), ce_core.StatsSpec())
-    backend = xla_backend()
+    backend = XlaBackend(keep_logits_budget_bytes=0)  # vocab outer on both
     on_cpu = backend.block_sizes_for(problem)
-    with jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array([device]), ("aot",)).abstract_mesh):
+    mesh = jax.sharding.Mesh(np.array([device]), ("aot",)).abstract_mesh
+    with jax.sharding.use_abstract_mesh(mesh):
         on_tpu = backend.block_sizes_for(problem)
     assert on_cpu.source == "rule for cpu" and on_tpu.source == "rule for tpu"
     assert (on_cpu["statistics"].block_sizes.b_block_size, on_cpu["gradients"].block_sizes.v_block_size) == (128, 512)
     assert (on_tpu["statistics"].block_sizes.b_block_size, on_tpu["gradients"].block_sizes.v_block_size) == (1024, 2048)
+    # The default budget: a deviceless TPU reports no memory, so 16 GiB is assumed (2 GiB budget), which the
+    # 1.83 GiB float32 dw (beyond vocab outer's dx) fits: tokens outer, 64 MiB dw updates on TPU.
+    with jax.sharding.use_abstract_mesh(mesh):
+        default_tpu = xla_backend().block_sizes_for(problem)
+    assert default_tpu.details["gradient_order"] == "tokens_outer"
+    assert (default_tpu["statistics"].block_sizes.b_block_size,
+            default_tpu["gradients"].block_sizes.v_block_size) == (128, 4096)

@@ -274,16 +274,17 @@ def count_dots(jaxpr) -> int:
 
 
 @pytest.fixture
-def no_fused_allowance(monkeypatch):
-    """The order rule without its 64 MiB allowance, so that small bf16 problems take vocab outer."""
-    import ce_xla.tiling
+def no_keep_logits_budget(monkeypatch):
+    """The order rule with a keep-logits budget of 0 (the devices' default budget of every ``XlaBackend``
+    made without one), so that small bf16 problems with V > N take vocab outer."""
+    import ce_xla.target
 
-    monkeypatch.setattr(ce_xla.tiling, "FUSED_ALLOWANCE_BYTES", 0)
+    monkeypatch.setattr(ce_xla.target, "device_keep_logits_budget", lambda platform: 0)
 
 
 @pytest.mark.parametrize("reduction,dtype,dots", [("mean", "float32", 3), ("none", "float32", 4),
                                                   ("mean", "bfloat16", 4), ("none", "bfloat16", 4)])
-def test_fused_path_does_three_matmul_passes_the_others_four(no_fused_allowance, reduction, dtype, dots):
+def test_fused_path_does_three_matmul_passes_the_others_four(no_keep_logits_budget, reduction, dtype, dots):
     """Full-row mode: logits, dx and dw products once per chunk (6NHV); the VJP adds a recompute,
     and so does the vocab-outer order that bf16 takes (statistics first, then 8NHV in all)."""
     x, labels, w = random_problem(7, (64,), 16, 100)
@@ -293,10 +294,29 @@ def test_fused_path_does_three_matmul_passes_the_others_four(no_fused_allowance,
     assert count_dots(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(*args).jaxpr) == dots
 
 
+@pytest.mark.parametrize("keep_logits,dtype,budget,dots", [
+    (None, "bfloat16", None, 3),  # the device's budget: 4HV = 6.4 KiB fits, tokens outer
+    (True, "bfloat16", 0, 3),  # forced tokens outer, whatever the budget
+    (False, "float32", None, 4),  # forced recompute, vocab outer
+    (False, "bfloat16", None, 4),
+])
+def test_keep_logits_picks_the_path_of_a_scalar_loss(keep_logits, dtype, budget, dots):
+    """``keep_logits=`` reaches the plan: True keeps the logits (3 matmul passes), False recomputes (4)."""
+    register_backend("xla_keep_logits_test", lambda: XlaBackend(keep_logits_budget_bytes=budget), replace=True)
+    try:
+        x, labels, w = random_problem(7, (64,), 16, 100)
+        loss = lambda a, b: linear_cross_entropy(a, labels, b, implementation="xla_keep_logits_test",  # noqa: E731
+                                                 block_sizes=BlockSizes(b_block_size=16), keep_logits=keep_logits)
+        args = (jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+        assert count_dots(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(*args).jaxpr) == dots
+    finally:
+        unregister_backend("xla_keep_logits_test")
+
+
 @pytest.mark.parametrize("dtype,vocab,order", [("float32", 100, "tokens_outer"), ("bfloat16", 100, "vocab_outer"),
                                                ("bfloat16", 48, "tokens_outer")])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_every_entry_point_takes_the_planned_gradient_order(monkeypatch, no_fused_allowance, dtype, vocab, order,
+def test_every_entry_point_takes_the_planned_gradient_order(monkeypatch, no_keep_logits_budget, dtype, vocab, order,
                                                             reduction):
     """bf16 with V > N avoids the float32 [H, V] accumulator on the fused and the general path;
     with V <= N (here 48 <= 64) the dw accumulator is the smaller one, and tokens outer keeps it."""
@@ -324,3 +344,23 @@ def test_float16_mean_gradients_do_not_underflow():
     x, labels, w = random_problem(8, (2048,), 32, 500)
     errors = compare_with_oracle("xla", Case(), x, labels, w, dtype="float16")
     assert errors["dx"] < 1e-3 and errors["dw"] < 1e-3, errors
+
+
+@pytest.mark.parametrize("rows,f32_dw", [(None, False), (64, True)])
+def test_one_token_chunk_accumulates_no_float32_dw(rows, f32_dw):
+    """Tokens outer with one token chunk writes each ``dw`` share in ``w``'s dtype (it is final): no float32
+    ``[H, V]`` buffer (4HV = 64 MiB here, one logits chunk 8 MiB); two chunks accumulate in one."""
+    n, h, v = 128, 1024, 16384
+    backend = XlaBackend(gradient_order="tokens_outer")
+    spec = StatsSpec(block_sizes=None if rows is None else BlockSizes(b_block_size=rows))
+    assert backend.plan(n, h, v, spec, jnp.bfloat16, jnp.bfloat16).token_chunks == (1 if rows is None else 2)
+
+    def fused(x, w, labels):
+        coefficient = jnp.full((n,), 1.0 / n, jnp.float32)
+        return backend.row_stats_and_grads(x, w, labels, spec, lambda _, c: RowStats(c, -c), coefficient)[1:]
+
+    shapes = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((h, v), jnp.bfloat16),
+              jax.ShapeDtypeStruct((n,), jnp.int32))
+    memory = jax.jit(fused).lower(*shapes).compile().memory_analysis()
+    assert memory is not None
+    assert (memory.temp_size_in_bytes >= 4 * h * v) == f32_dw, memory.temp_size_in_bytes / 2**20

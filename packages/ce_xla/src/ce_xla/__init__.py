@@ -4,9 +4,9 @@ Streams over token chunks (and over vocab chunks where one full row chunk would 
 budget), never holding the ``[N, V]`` logits; ``row_stats`` has a custom VJP with O(N) residuals.
 Gradients run tokens outer (float32 ``dw`` accumulator; scalar losses then take the fused path that
 forms ``dx`` and ``dw`` in the forward pass, 6NHV) or vocab outer (float32 ``dx`` accumulator, each
-``dw`` slice written once: what bf16 ``w`` takes, so no ``[H, V]`` float32 temporary). The order
-and chunk rule are documented in :mod:`ce_xla.tiling`, the per-platform budgets in
-:mod:`ce_xla.target`.
+``dw`` slice written once, so no ``[H, V]`` float32 temporary: what a bf16 ``w`` takes when that
+temporary would not fit the keep-logits budget, ``min(4 GiB, device memory / 8)``). The order and
+chunk rule are documented in :mod:`ce_xla.tiling`, the per-platform budgets in :mod:`ce_xla.target`.
 """
 
 from ce_xla.backend import XlaBackend, make_backend

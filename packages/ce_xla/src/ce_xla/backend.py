@@ -5,7 +5,7 @@ statistics (O(N) beyond the inputs); its backward pass recomputes the logits chu
 ``row_stats_and_grads``, used by ``ce_core`` when the loss is reduced to a scalar, forms ``dx`` and
 ``dw`` in the same pass as the statistics (6NHV) when the plan's gradient order is tokens outer.
 Every entry point takes its gradient order from the plan (:mod:`ce_xla.tiling`), so none holds a
-float32 ``[H, V]`` accumulator for a bf16 ``w``. Contract version 3: a ``[V, H]`` head
+float32 ``[H, V]`` accumulator for a bf16 ``w`` beyond the keep-logits budget. Contract version 3: a ``[V, H]`` head
 (:mod:`ce_xla.head`), ``max``/``argmax`` and a per-token ``row_scale``, on every path.
 """
 
@@ -19,17 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from ce_core import Backend, BlockSizes, CotangentFn, PassTiles, Problem, RowStats, StatsSpec, TileReport
-from ce_xla import backward, fused, head, ops
+from ce_xla import backward, fused, head, ops, target
 from ce_xla.target import target_platform
-from ce_xla.tiling import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks
+from ce_xla.tiling import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks, resolve_order
 
 
 class XlaBackend(Backend):
     """Streams over token chunks (and vocab chunks) with ``lax.fori_loop``; runs wherever XLA runs.
 
     ``budget_bytes`` bounds one float32 logits chunk and ``grad_budget_bytes`` one tokens-outer
-    ``dw`` update (``None``: the platform's default), and ``gradient_order`` forces a gradient loop
-    order (``None``: the rule); see :mod:`ce_xla.tiling`.
+    ``dw`` update (``None``: the platform's default). ``keep_logits_budget_bytes`` is the most extra
+    memory the tokens-outer (keep-logits, 6NHV) path may hold beyond vocab outer (``None``:
+    ``min(4 GiB, device memory / 8)``, resolved per platform when a call is traced; 0 keeps every
+    bf16 ``w`` with ``V > N`` vocab outer). ``gradient_order`` forces a gradient loop order on every
+    call (``None``: ``StatsSpec.keep_logits``, else the rule); see :mod:`ce_xla.tiling`.
     """
 
     name = "xla"
@@ -42,26 +45,42 @@ class XlaBackend(Backend):
         budget_bytes: int | None = None,
         grad_budget_bytes: int | None = None,
         gradient_order: GradientOrder | None = None,
+        keep_logits_budget_bytes: int | None = None,
     ) -> None:
         for name, value in (("budget_bytes", budget_bytes), ("grad_budget_bytes", grad_budget_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        value = keep_logits_budget_bytes
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"keep_logits_budget_bytes must be an int >= 0 or None, got {value!r}")
         if gradient_order is not None and gradient_order not in GRADIENT_ORDERS:
             raise ValueError(f"gradient_order must be None or one of {GRADIENT_ORDERS}, got {gradient_order!r}")
         self.budget_bytes = budget_bytes
         self.grad_budget_bytes = grad_budget_bytes
         self.gradient_order: GradientOrder | None = gradient_order
+        self.keep_logits_budget_bytes = keep_logits_budget_bytes
 
     def check(self, problem: Problem) -> None:
-        """Explicit block sizes this backend cannot use are a ``ValueError`` naming them."""
+        """Explicit block sizes this backend cannot use, and a ``keep_logits`` that contradicts the backend's
+        ``gradient_order``, are a ``ValueError`` naming them."""
         check_block_sizes(problem.spec.block_sizes, problem.h)
+        resolve_order(self.gradient_order, problem.spec.keep_logits)
+
+    def keep_logits_budget(self, platform: str | None = None) -> int:
+        """The keep-logits budget on ``platform`` (``None``: the one being compiled for): the backend's
+        ``keep_logits_budget_bytes``, else ``min(4 GiB, device memory / 8)`` (:mod:`ce_xla.target`)."""
+        if self.keep_logits_budget_bytes is not None:
+            return self.keep_logits_budget_bytes
+        return target.device_keep_logits_budget(platform or target_platform())
 
     def plan(self, n: int, h: int, v: int, spec: StatsSpec, x_dtype: Any = np.float32,
              w_dtype: Any = np.float32) -> ChunkPlan:
         """The chunk plan used for ``x: [n, h]`` of ``x_dtype``, ``w: [h, v]`` of ``w_dtype``."""
+        platform = target_platform()
         return plan_chunks(n, h, v, spec.block_sizes, x_dtype=x_dtype, w_dtype=w_dtype, order=self.gradient_order,
                            budget_bytes=self.budget_bytes, grad_budget_bytes=self.grad_budget_bytes,
-                           platform=target_platform())
+                           platform=platform, keep_logits=spec.keep_logits,
+                           keep_logits_budget_bytes=self.keep_logits_budget(platform))
 
     def block_sizes_for(self, problem: Problem) -> TileReport:
         """The chunk plan for ``problem`` on the platform being compiled for: its statistics and gradient
@@ -120,8 +139,7 @@ class XlaBackend(Backend):
 
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "
-                f"gradient_order={self.gradient_order!r})")
-
+                f"gradient_order={self.gradient_order!r}, keep_logits_budget_bytes={self.keep_logits_budget_bytes})")
 
 def _scale(spec: StatsSpec, row_scale: jax.Array | None) -> jax.Array | None:
     """The float32 ``[N]`` row scale when ``spec`` asks for one (required then), else ``None``."""

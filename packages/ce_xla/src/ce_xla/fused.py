@@ -8,9 +8,9 @@ materialised reference, instead of four for forward-then-recompute. In vocab-chu
 logits of a chunk are not all held at once, so they are recomputed tile by tile (8NHV).
 
 That needs the gradient order ``"tokens_outer"`` (``dw`` accumulated in float32 across token
-chunks). When the plan says ``"vocab_outer"`` (bf16 ``w``: see :mod:`ce_xla.tiling`), the
-statistics come first and the gradients follow with the vocabulary outer (8NHV, no ``[H, V]``
-float32 accumulator).
+chunks). When the plan says ``"vocab_outer"`` (a bf16 ``w`` whose float32 ``dw`` does not fit the
+keep-logits budget, or ``keep_logits=False``: see :mod:`ce_xla.tiling`), the statistics come first
+and the gradients follow with the vocabulary outer (8NHV, no ``[H, V]`` float32 accumulator).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ce_core import CotangentFn, RowStats, StatsSpec
 from ce_core.extend import vary_like
 from ce_xla import tile_stats, vocab_outer
-from ce_xla.backward import chunk_grads, owned_rows
+from ce_xla.backward import chunk_grads, dw_dtype, owned_rows
 from ce_xla.forward import chunk_row_stats, empty_row_stats, row_stats
 from ce_xla.loops import chunk_start, loop
 from ce_xla.tiling import ChunkPlan
@@ -62,6 +62,7 @@ def row_stats_and_grads(
         put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0)  # noqa: E731
         return jax.tree.map(put, stats, stats_chunk), put(dx, dx_chunk.astype(x.dtype)), dw
 
-    initial = (empty_row_stats(n, spec), jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32))
+    dw = jnp.zeros(w.shape, dw_dtype(plan.token_chunks, w))  # float32 unless one token chunk
+    initial = (empty_row_stats(n, spec), jnp.zeros(x.shape, x.dtype), dw)
     stats, dx, dw = loop(plan.token_chunks, chunk, vary_like(initial, x, w, labels, token_params, row_scale))
     return stats, dx, dw.astype(w.dtype)

@@ -50,7 +50,9 @@ shape (bf16), objective             ACCELERATOR     x2 budgets      x4          
 
 (times over the floor, fwd+bwd temporaries). x8 wins only at Llama-3 and costs 2.5x the memory; the
 fused tokens-outer path with 1 GiB row chunks reached 1.44x and 1.72x on the first two, but holds a
-float32 ``[H, V]`` ``dw`` (2.9-3.2 GiB), which is what vocab outer exists to avoid.
+float32 ``[H, V]`` ``dw`` (2.9-3.2 GiB), which is what vocab outer exists to avoid where memory is
+short: the keep-logits budget (:func:`keep_logits_budget`, ``min(4 GiB, HBM / 8)``: 4 GiB on an
+H200) now lets bf16 heads up to that size take tokens outer (:mod:`ce_xla.tiling`).
 
 The x4 statistics tiles (``[1024, 65536]``) still sliced ``w``'s columns, and XLA copies such a slice
 on a GPU, once per tile: the forward alone took 1.46x one bare matmul at Llama-3 8B, 1.40x at Gemma 3
@@ -71,10 +73,18 @@ shared machine (load 5-12), vocab-outer tiles of 128x4096, 256x2048, 512x4096, 1
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 
 import jax
 
 MiB = 2**20
+GiB = 2**30
+#: The most extra memory the tokens-outer (keep-logits, 6NHV) path may hold beyond vocab outer's, whatever
+#: the device (:func:`keep_logits_budget`).
+KEEP_LOGITS_BUDGET_CAP_BYTES = 4 * GiB
+#: ...and at most this fraction of the device's memory (an eighth).
+KEEP_LOGITS_MEMORY_DIVISOR = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +100,9 @@ class PlatformBudgets:
     ``grad_tile_bytes``: vocab outer, one gradient tile ``[grad_token_chunk, grad_chunk]``.
     ``recompute_tile_bytes``: tokens outer, one tile ``[grad_token_chunk, grad_chunk]`` of the
     recompute gradient pass (the fused pass's tiles have the statistics rows instead).
+    ``memory_bytes``: the device memory assumed when the device being compiled for reports none
+    (an ahead-of-time compile for another platform; a CPU host whose memory cannot be read); it sets
+    the keep-logits budget (:func:`keep_logits_budget`).
     """
 
     logits_bytes: int = 64 * MiB
@@ -98,10 +111,13 @@ class PlatformBudgets:
     dw_slice_bytes: int = 32 * MiB
     grad_tile_bytes: int = 8 * MiB
     recompute_tile_bytes: int = 8 * MiB
+    memory_bytes: int = 16 * GiB
 
 
-#: The budgets of each platform; platforms not listed take ``ACCELERATOR``.
-CPU = PlatformBudgets(grad_slice_bytes=8 * MiB, stats_rows=32, dw_slice_bytes=8 * MiB, grad_tile_bytes=2 * MiB)
+#: The budgets of each platform; platforms not listed take ``ACCELERATOR``. Assumed memory: 16 GiB of HBM on
+#: accelerators (TPU v5e's, the smallest of the current TPUs; a GPU reports its own), 32 GiB of host memory.
+CPU = PlatformBudgets(grad_slice_bytes=8 * MiB, stats_rows=32, dw_slice_bytes=8 * MiB, grad_tile_bytes=2 * MiB,
+                      memory_bytes=32 * GiB)
 ACCELERATOR = PlatformBudgets()
 #: Four times the tiles on GPU: every tile of a ``fori_loop`` there is a few kernel launches and a loop
 #: step, so ``ACCELERATOR``'s 504 gradient tiles at Llama-3 8B cost more than their arithmetic.
@@ -116,6 +132,46 @@ BUDGETS = {"cpu": CPU, "gpu": GPU, "tpu": ACCELERATOR}
 def budgets_for(platform: str) -> PlatformBudgets:
     """The budgets of ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``; others as accelerators)."""
     return BUDGETS.get(platform, ACCELERATOR)
+
+
+def keep_logits_budget(platform: str, memory_bytes: int | None = None) -> int:
+    """The keep-logits budget on ``platform``: ``min(4 GiB, memory / 8)``.
+
+    ``memory_bytes`` is the device's memory (``None``: the platform's assumed ``memory_bytes``, so
+    this is a pure function of its arguments); :func:`device_keep_logits_budget` passes the real one.
+    """
+    if memory_bytes is None:
+        memory_bytes = budgets_for(platform).memory_bytes
+    return min(KEEP_LOGITS_BUDGET_CAP_BYTES, memory_bytes // KEEP_LOGITS_MEMORY_DIVISOR)
+
+
+def device_keep_logits_budget(platform: str) -> int:
+    """:func:`keep_logits_budget` with the memory of the device compiled for, when this process has one.
+
+    On TPU and GPU: ``jax.devices()[0].memory_stats()["bytes_limit"]`` (its HBM) when the default
+    backend is ``platform`` and reports it; on CPU: the host's physical memory. Otherwise (an
+    ahead-of-time compile for another platform, a device that reports nothing) the platform's
+    assumed ``memory_bytes``.
+    """
+    return keep_logits_budget(platform, device_memory_bytes(platform))
+
+
+@functools.cache
+def device_memory_bytes(platform: str) -> int | None:
+    """Memory of this process's first ``platform`` device (host memory on CPU), or ``None`` when unknown."""
+    if platform != jax.default_backend():
+        return None
+    if platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):
+            return None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # a runtime without memory statistics
+        return None
+    limit = None if stats is None else stats.get("bytes_limit")
+    return int(limit) if limit else None
 
 
 def target_platform() -> str:

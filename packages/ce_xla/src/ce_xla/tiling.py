@@ -18,13 +18,28 @@ in float32 across it (accuracy: float32 accumulation everywhere):
   float32 and is written once in ``w``'s dtype; ``dx`` ``[N, H]`` accumulates in float32 (extra
   ``4NH`` bytes unless ``x`` is float32). The statistics must be known first: 8NHV flops.
 
-The rule (:func:`gradient_order`): tokens outer unless its extra accumulator is larger than vocab
-outer's by more than :data:`FUSED_ALLOWANCE_BYTES` (64 MiB, one logits chunk). So float32 ``w``
-always takes the fused 6NHV path, and bf16/f16 takes vocab outer unless ``V <= N`` or ``4HV`` is
-small: at N=4096 H=512 V=32768 bf16 (``4HV`` = 64 MiB) the fused path measured 0.68x the
-reference's CPU time against vocab outer's 0.85x, for 139 MiB of temporaries instead of 72.
-The extra accumulator is then at most ``min(4NH + 64 MiB, 4HV)`` bytes: never ``4HV`` for a large
-bf16 ``w`` (2 GiB at H=4096, V=128256).
+**The rule** (:func:`gradient_order`): tokens outer whenever the extra memory it holds beyond
+vocab outer fits the **keep-logits budget**: ``dw_extra - dx_extra <= budget``, where ``dw_extra``
+is ``4HV`` when ``w`` is narrower than float32 (else 0) and ``dx_extra`` is ``4NH`` when ``x`` is
+(else 0). The budget is ``min(4 GiB, device memory / 8)`` (:func:`ce_xla.target.keep_logits_budget`):
+the device's HBM on TPU and GPU (``memory_stats()["bytes_limit"]``; 16 GiB assumed where the device
+reports none, as in an ahead-of-time compile for TPU from a CPU host: 2 GiB), the host's physical
+memory on CPU (32 GiB assumed where unreadable). So float32 ``w`` always takes the fused 6NHV
+path (``dw_extra`` is 0), and so does bf16/f16 ``w`` up to ``4HV`` of about 4 GiB: Llama-3 8B's head
+(H=4096, V=128256, ``4HV`` = 1.96 GiB) at 8192 tokens needs 1.83 GiB more than vocab outer, which
+a 16 GiB device (2 GiB budget) affords; H=8192 (``4HV`` = 3.9 GiB) takes vocab outer below 32 GiB.
+On a shared 2-core CPU the fused path ran bf16 fwd+bwd at 0.57-1.0x vocab outer's time at the bench's
+presets (noisy: ``docs/notes/2026-11-28-xla-bf16-tokens-outer.md``); it is a memory rule. Vocab outer's
+extra memory is at most ``4NH`` plus tiles. With one token chunk tokens outer holds no float32 ``dw``
+at all (:func:`ce_xla.backward.dw_dtype`), which the rule does not count.
+
+Forcing: ``XlaBackend(keep_logits_budget_bytes=...)`` sets the budget (0: vocab outer whenever
+``w`` is narrower than float32 and ``V > N``); ``StatsSpec.keep_logits`` (``ce_core``'s
+``keep_logits=``) forces an order per call, ``True`` tokens outer and ``False`` vocab outer, and
+``XlaBackend(gradient_order=...)`` for every call of that backend. A backend order and a per-call
+``keep_logits`` that disagree are a ``ValueError`` (:func:`resolve_order`). ``keep_logits=True``
+keeps the logits only where a full row chunk fits the logits budget (full-row mode); vocab-chunked
+statistics recompute each tile's logits tokens outer too.
 
 **Chunk sizes** come from the platform's budgets (:mod:`ce_xla.target`, which gives the
 figures; ``budget`` = 64 MiB float32 logits, 512 MiB on GPU):
@@ -81,7 +96,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from ce_core import BlockSizes
-from ce_xla.target import CPU, PlatformBudgets, budgets_for
+from ce_xla.target import CPU, KEEP_LOGITS_BUDGET_CAP_BYTES, PlatformBudgets, budgets_for, keep_logits_budget
 
 GradientOrder = Literal["tokens_outer", "vocab_outer"]
 GRADIENT_ORDERS: tuple[GradientOrder, ...] = ("tokens_outer", "vocab_outer")
@@ -93,8 +108,6 @@ MIN_GRAD_CHUNK = 512
 #: Vocab outer: fewest rows of a gradient tile (each tile streams its ``w`` slice; 64 rows measured
 #: 1.15x slower than 128-1024 on CPU, and accelerators need ``3 x rows`` above their ridge point).
 MIN_GRAD_TOKEN_CHUNK = 256
-#: Tokens outer is kept while its extra float32 ``dw`` exceeds vocab outer's ``dx`` by at most this.
-FUSED_ALLOWANCE_BYTES = 64 * 2**20
 #: Fewest rows worth a full-row chunk tokens outer; below this the vocabulary is chunked instead.
 MIN_FULL_ROW_TOKENS = 32
 #: Token chunks are multiples of this (unless they cover all N tokens).
@@ -156,15 +169,39 @@ class ChunkPlan:
         return _ceil_div(self.n, self.grad_token_chunk)
 
 
-def gradient_order(n: int, h: int, v: int, x_dtype: DTypeLike, w_dtype: DTypeLike) -> GradientOrder:
-    """``"tokens_outer"`` unless its float32 ``dw`` accumulator costs more than vocab outer's ``dx`` one
-    by over :data:`FUSED_ALLOWANCE_BYTES`.
+def gradient_order(n: int, h: int, v: int, x_dtype: DTypeLike, w_dtype: DTypeLike,
+                   keep_logits_budget_bytes: int = KEEP_LOGITS_BUDGET_CAP_BYTES) -> GradientOrder:
+    """``"tokens_outer"`` when its extra memory over vocab outer, :func:`keep_logits_extra_bytes`, is at
+    most ``keep_logits_budget_bytes`` (default: the 4 GiB cap; the backend passes its device's budget),
+    else ``"vocab_outer"``."""
+    extra = keep_logits_extra_bytes(n, h, v, x_dtype, w_dtype)
+    return "tokens_outer" if extra <= keep_logits_budget_bytes else "vocab_outer"
 
-    An accumulator costs nothing extra when its gradient is float32 itself (it is the output).
-    """
+
+def keep_logits_extra_bytes(n: int, h: int, v: int, x_dtype: DTypeLike, w_dtype: DTypeLike) -> int:
+    """Bytes tokens outer holds beyond vocab outer: its float32 ``dw`` accumulator (``4HV``, none when ``w``
+    is float32: the accumulator is the gradient) minus vocab outer's float32 ``dx`` one (``4NH``, none when
+    ``x`` is float32). Negative when vocab outer's is the larger."""
     dw_extra = _F32 * h * v if np.dtype(w_dtype).itemsize < _F32 else 0
     dx_extra = _F32 * n * h if np.dtype(x_dtype).itemsize < _F32 else 0
-    return "tokens_outer" if dw_extra <= dx_extra + FUSED_ALLOWANCE_BYTES else "vocab_outer"
+    return dw_extra - dx_extra
+
+
+def resolve_order(order: GradientOrder | None, keep_logits: bool | None) -> GradientOrder | None:
+    """The forced gradient order, if any: ``order`` (a backend's), or ``keep_logits`` (a call's: ``True``
+    tokens outer, ``False`` vocab outer); ``None`` when neither forces one. ``ValueError`` when they disagree.
+    """
+    if order is not None and order not in GRADIENT_ORDERS:
+        raise ValueError(f"gradient_order must be one of {GRADIENT_ORDERS}, got {order!r}")
+    if keep_logits is None:
+        return order
+    wanted: GradientOrder = "tokens_outer" if keep_logits else "vocab_outer"
+    if order is not None and order != wanted:
+        raise ValueError(
+            f"xla backend: keep_logits={keep_logits} asks for gradient order {wanted!r}, but this backend was "
+            f"built with gradient_order={order!r}; drop one of them"
+        )
+    return wanted
 
 
 def plan_chunks(
@@ -179,20 +216,30 @@ def plan_chunks(
     budget_bytes: int | None = None,
     grad_budget_bytes: int | None = None,
     platform: str = "cpu",
+    keep_logits: bool | None = None,
+    keep_logits_budget_bytes: int | None = None,
 ) -> ChunkPlan:
     """The chunk plan for ``x: [n, h]``, ``w: [h, v]``: explicit sizes checked, the rest by the rule.
 
-    ``order=None`` applies :func:`gradient_order`; ``budget_bytes`` and ``grad_budget_bytes``
-    (``None``: the platform's) override the logits budget and the tokens-outer ``dw`` slice budget.
+    The gradient order is ``order`` or ``keep_logits`` when either forces one (:func:`resolve_order`),
+    else :func:`gradient_order` within ``keep_logits_budget_bytes`` (``None``: the platform's budget for
+    its assumed memory, :func:`ce_xla.target.keep_logits_budget`: 4 GiB on CPU, 2 GiB on accelerators;
+    the backend passes its device's). ``budget_bytes`` and ``grad_budget_bytes`` (``None``: the
+    platform's) override the logits budget and the tokens-outer ``dw`` slice budget.
     """
-    check_block_sizes(block_sizes, h)
-    if order is None:
-        order = gradient_order(n, h, v, x_dtype, w_dtype)
-    budgets = budgets_for(platform)
-    overrides = {"logits_bytes": budget_bytes, "grad_slice_bytes": grad_budget_bytes}
     for name, value in (("budget_bytes", budget_bytes), ("grad_budget_bytes", grad_budget_bytes)):
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+    if keep_logits_budget_bytes is not None and keep_logits_budget_bytes < 0:
+        raise ValueError(f"keep_logits_budget_bytes must be at least 0, got {keep_logits_budget_bytes}")
+    check_block_sizes(block_sizes, h)
+    order = resolve_order(order, keep_logits)
+    if order is None:
+        if keep_logits_budget_bytes is None:
+            keep_logits_budget_bytes = keep_logits_budget(platform)
+        order = gradient_order(n, h, v, x_dtype, w_dtype, keep_logits_budget_bytes)
+    budgets = budgets_for(platform)
+    overrides = {"logits_bytes": budget_bytes, "grad_slice_bytes": grad_budget_bytes}
     budgets = dataclasses.replace(budgets, **{k: val for k, val in overrides.items() if val is not None})
     n_, v_ = max(n, 1), max(v, 1)
     rows = None if block_sizes is None else block_sizes.b_block_size
