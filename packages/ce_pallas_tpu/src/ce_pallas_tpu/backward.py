@@ -86,7 +86,7 @@ class BackwardConfig(common.KernelConfig):
         Qwen2.5-0.5B's tied RL backward: 1.168 -> 1.136 of the MXU minimum,
         docs/notes/2026-11-27-tied-heads-backwards.md)."""
         return (self.w_layout == "vh" and self.hidden == self.hp and self.hp % self.mxu_side != 0
-                and self.block_v % self.mxu_side == 0)
+                and self.block_v % self.mxu_side == 0 and not self.kept_logits)
 
     @property
     def dw_acc_shape(self) -> tuple[int, int]:
@@ -139,13 +139,13 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
     lse_ref, g_lse_ref, g_label_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     g_sum_ref = refs.pop(0) if cfg.with_sum else None
     expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
-    z_ref = refs.pop(0) if cfg.kept_logits else None
-    if cfg.kept_logits:
-        refs.pop(0)  # the running dw's input: the same buffer as the dw output (aliased)
-    dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
-    dw_previous = rest_buf.pop(0) if cfg.kept_logits else None
-    dw_remainder = rest_buf[0] if rest_buf else None
     rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
+    if cfg.kept_logits:
+        z_ref, _, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems = refs  # (the running dw's input is dw_hbm: aliased)
+        _kept_kernel(x_ref, w_ref, z_ref, rows, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, cfg)
+        return
+    dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
+    dw_remainder = rest_buf[0] if rest_buf else None
 
     core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = core * cfg.nv_per_core + jj  # the global vocab block
@@ -160,23 +160,87 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
         _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg)
         _dx_step(w_ref, d, dx_buf, dx_rows, i, jj, cfg)
 
-    def kept_step():
+    if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
+        pl.when(block < cfg.nv)(step)
+    else:
+        step()
+
+
+def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
+                 cfg: BackwardConfig) -> None:
+    """Kept-logits mode (:mod:`ce_pallas_tpu.kept_logits`): ``delta`` from the forward's logits; the chunk's
+    ``x`` and float32 ``dx`` resident in VMEM; ``dw`` accumulated onto the running sum in two VMEM slots
+    that DMAs fill and empty (:func:`_running_dw_dmas`), so no vector pass zeroes, stages or adds a tile."""
+    core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block = core * cfg.nv_per_core + jj
+    slot = jj % 2
+
+    def step():
         _prepare_resident_x(x_ref, jj, i, cfg)
         _mask_ragged_operands(None, w_ref, i, block, cfg)
         _mask_ragged_logits(z_ref, i, block, cfg)
-        previous = _read_running_dw(dw_hbm, dw_previous, sems, i, block, cfg)
+        _running_dw_dmas(dw_hbm, dw_slots, sems, jj, i, block, cfg)
         d = _logit_cotangent(None, w_ref, z_ref, rows, i, block, cfg)
-        _dw_step(x_ref.at[_token_rows(i, cfg)], d, dw_acc, i, cfg)
-        write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
-        _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg, previous)
-        _dx_resident_step(w_ref, d, dx_buf.at[_token_rows(i, cfg)], jj, cfg)
+        _dw_step(x_ref.at[_token_rows(i, cfg)], d, dw_slots.at[slot], i, cfg)
+        _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, cfg)
+        _dx_resident_step(w_ref, d, dx_acc.at[_token_rows(i, cfg)], jj, cfg)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
-        pl.when(block < cfg.nv)(kept_step if cfg.kept_logits else step)
+        pl.when(block < cfg.nv)(step)
     else:
-        (kept_step if cfg.kept_logits else step)()
-    if cfg.kept_logits:
-        _write_resident_dx(dx_buf, dxp_hbm, sems, core, jj, i, cfg)
+        step()
+    _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg)
+
+
+def _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, cfg: BackwardConfig, *, read: bool):
+    """The DMA between vocab block ``block`` of the running ``dw`` in HBM and VMEM slot ``slot``."""
+    first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
+    entries = pl.ds(first, cfg.block_v)
+    window = dw_hbm.at[entries, :] if cfg.w_layout == "vh" else dw_hbm.at[:, entries]
+    if read:
+        return pltpu.make_async_copy(window, dw_slots.at[slot], sems.at[0])
+    return pltpu.make_async_copy(dw_slots.at[slot], window, sems.at[2])
+
+
+def _core_last_block(jj, block, cfg: BackwardConfig):
+    """Whether vocab block ``block`` is the core's last one with a block (the last core may be one short)."""
+    return (jj == cfg.nv_per_core - 1) | (block == cfg.nv - 1)
+
+
+def _running_dw_dmas(dw_hbm, dw_slots, sems, jj, i, block, cfg: BackwardConfig) -> None:
+    """Vocab block ``jj`` of a core accumulates in slot ``jj % 2``, which must hold the running ``dw``'s
+    block first: the core's first block reads it now; later ones wait for the read started halfway
+    through the block before. Halfway through this block the other slot's write (the block before) is
+    waited for and the next block's read into it started."""
+    slot = jj % 2
+    this = _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, cfg, read=True)
+
+    @pl.when((jj == 0) & (i == 0))
+    def _():
+        this.start()
+
+    pl.when(i == 0)(this.wait)
+
+    @pl.when(i == cfg.nb // 2)
+    def _():
+        @pl.when(jj > 0)
+        def _():
+            _running_dw_copy(dw_hbm, dw_slots, sems, block - 1, 1 - slot, cfg, read=False).wait()
+
+        @pl.when(jnp.logical_not(_core_last_block(jj, block, cfg)))
+        def _():
+            _running_dw_copy(dw_hbm, dw_slots, sems, block + 1, 1 - slot, cfg, read=True).start()
+
+
+def _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, cfg: BackwardConfig) -> None:
+    """After the vocab block's last token block, its slot written back to the running ``dw`` (waited for
+    halfway through the next block, or now at the core's last)."""
+    write = _running_dw_copy(dw_hbm, dw_slots, sems, block, jj % 2, cfg, read=False)
+
+    @pl.when(i == cfg.nb - 1)
+    def _():
+        write.start()
+        pl.when(_core_last_block(jj, block, cfg))(write.wait)
 
 
 def _token_rows(i, cfg: BackwardConfig) -> pl.Slice:
@@ -303,17 +367,6 @@ def _mask_ragged_logits(z_ref, i, block, cfg: BackwardConfig) -> None:
             z_ref[...] = jnp.where(col < cfg.v, z_ref[...], 0.0)
 
 
-def _read_running_dw(dw_hbm, dw_previous, sems, i, block, cfg: BackwardConfig):
-    """The running ``dw``'s block (earlier token chunks' sum) read into VMEM, started at the vocab
-    block's first token block and waited for at its last, where it is added to this chunk's tile."""
-    first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
-    entries = pl.ds(first, cfg.block_v)
-    window = dw_hbm.at[entries, :] if cfg.w_layout == "vh" else dw_hbm.at[:, entries]
-    read = pltpu.make_async_copy(window, dw_previous, sems.at[3])
-    pl.when(i == 0)(read.start)
-    return read, dw_previous
-
-
 def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
     """The per-row inputs of the step as values. In a ragged last token block the rows past ``N``
     hold garbage (NaN, say): their coefficients are zeroed and their ``lse``, ``expected`` and scale
@@ -368,12 +421,15 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
 
 
 def _dw_step(x_ref, d: jax.Array, dw_acc, i, cfg: BackwardConfig) -> None:
-    """The dw tile, accumulated over token blocks in VMEM. The accumulator is zeroed first and the
-    product added unconditionally, so the MXU result goes straight into it."""
+    """The dw tile, accumulated over token blocks in VMEM. The accumulator is zeroed first (kept-logits
+    mode: it holds the running sum's block already) and the product added unconditionally, so the MXU
+    result goes straight into it."""
 
-    @pl.when(i == 0)
-    def _():
-        dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
+    if not cfg.kept_logits:
+
+        @pl.when(i == 0)
+        def _():
+            dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
 
     for chunk in _hidden_chunks(cfg):
         if cfg.w_layout == "vh" and not cfg.dw_transposed:
@@ -408,8 +464,6 @@ def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig) 
     # A single block (block_v == V, of any width) is the whole of dw: its window starts at a static 0.
     first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
     full = copy(dw_stage, pl.ds(first, cfg.block_v))
-    if cfg.kept_logits:  # the running dw is padded to whole blocks: no ragged window
-        return _DwWrite(full, (), None)
     aligned, remainder = _dw_tail_split(cfg)
     start = (cfg.nv - 1) * cfg.block_v
     tail = []
@@ -426,12 +480,10 @@ def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig) 
 _DW_PIECE_COLUMNS = 512
 
 
-def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg: BackwardConfig,
-              previous=None) -> None:
+def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg: BackwardConfig) -> None:
     """After the vocab block's last token block: the accumulator cast into the staging buffer (once the
-    core's previous block has left it), ``previous`` (the running dw's read, kept-logits mode) waited
-    for and added, and its copy to HBM started; waited for at the core's last block. A ragged last
-    block is the last one of the last core, so only that final wait can be its."""
+    core's previous block has left it) and its copy to HBM started; waited for at the core's last
+    block. A ragged last block is the last one of the last core, so only that final wait can be its."""
 
     def start_tail():
         if write.remainder_source is not None:
@@ -459,10 +511,6 @@ def _write_dw(dw_acc, dw_stage, dw_remainder, write: _DwWrite, i, jj, block, cfg
             write.full.wait()
 
         _stage_dw(dw_acc, dw_stage, cfg)
-        if previous is not None:
-            read, buffer = previous
-            read.wait()
-            dw_stage[...] += buffer[...]
         either(start_tail, write.full.start)
         pl.when((jj == cfg.nv_per_core - 1) | (block == cfg.nv - 1))(lambda: either(wait_tail, write.full.wait))
 
@@ -541,7 +589,7 @@ def backward_call(
         if kept is None:
             raise ValueError("backward_call: cfg.kept_logits needs kept=(logits, running_dw)")
         logits, running = kept
-        padded = (cfg.nv * cfg.block_v, cfg.hidden) if cfg.w_layout == "vh" else (cfg.hidden, cfg.nv * cfg.block_v)
+        padded = (cfg.nv * cfg.block_v, cfg.hp) if cfg.w_layout == "vh" else (cfg.hp, cfg.nv * cfg.block_v)
         if running.shape != padded or running.dtype != jnp.float32:
             raise ValueError(f"backward_call: running_dw must be float32 {padded}, got {running.dtype} {running.shape}")
         nvc = cfg.nv_per_core
@@ -555,18 +603,23 @@ def backward_call(
         common.out_type(dw_shape, dw_dtype, axes),
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
-    scratch = [
-        pltpu.VMEM(cfg.dw_acc_shape, jnp.float32),  # dw accumulator
-        pltpu.VMEM(_block_shape(cfg, cfg.hidden), dw_dtype),  # dw staging: the finished tile on its way out
-        # dx partial rows: two slots, read-add-write (kept mode: the whole chunk's, resident)
-        pltpu.VMEM((cfg.padded_n, cfg.hp) if cfg.kept_logits else (2, cfg.block_b, cfg.hp), jnp.float32),
-        pltpu.SemaphoreType.DMA((4 if cfg.kept_logits else 3,)),  # dx rows in, dx rows out, dw out (, dw in)
-    ]
-    remainder = _dw_tail_split(cfg)[1]
-    if cfg.kept_logits:  # the running dw's block, read while the vocab block's steps run
-        scratch.append(pltpu.VMEM(_block_shape(cfg, cfg.hidden), jnp.float32))
-    elif remainder:  # the ragged last vocab block's entries past its last whole layout tile
-        scratch.append(pltpu.VMEM(_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden), w.dtype))
+    if cfg.kept_logits:
+        scratch = [
+            pltpu.VMEM((2, *cfg.dw_acc_shape), jnp.float32),  # dw: two slots the running sum's DMAs fill and empty
+            pltpu.VMEM((cfg.padded_n, cfg.hp), jnp.float32),  # the chunk's dx partial, resident
+            pltpu.SemaphoreType.DMA((3,)),  # dw in, dx out, dw out
+        ]
+    else:
+        scratch = [
+            pltpu.VMEM(cfg.dw_acc_shape, jnp.float32),  # dw accumulator
+            pltpu.VMEM(_block_shape(cfg, cfg.hidden), dw_dtype),  # dw staging: the finished tile on its way out
+            pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
+            pltpu.SemaphoreType.DMA((3,)),  # dx rows in, dx rows out, dw out
+        ]
+        remainder = _dw_tail_split(cfg)[1]
+        if remainder:  # the ragged last vocab block's entries past its last whole layout tile
+            scratch.append(pltpu.VMEM(_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden),
+                                      w.dtype))
     dw, dx_partials = pl.pallas_call(
         functools.partial(_backward_kernel, cfg=cfg),
         grid=(cfg.num_cores, cfg.nv_per_core, cfg.nb),

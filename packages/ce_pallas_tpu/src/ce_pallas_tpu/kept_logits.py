@@ -77,7 +77,7 @@ class KeptPlan:
     forward: ForwardConfig
     backward: BackwardConfig
     logits_shape: tuple[int, int]  # the kept logits buffer of one chunk (both kernels' blocks)
-    running_dw_shape: tuple[int, int]  # float32 dw in w's layout, padded to whole backward vocab blocks
+    running_dw_shape: tuple[int, int]  # float32 dw in w's layout, padded to whole backward vocab blocks and Hp
 
     @property
     def chunks(self) -> int:
@@ -97,21 +97,13 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     The tiles are the recompute path's for a chunk, adjusted to the VMEM budget: the forward's token
     block halved while its kept-logits blocks do not fit; the backward, which holds the chunk's ``x``
     and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its vocab block halved down to
-    256, then the chunk.
+    :data:`PREFERRED_MIN_BLOCK_V`, then the chunk (:func:`_fit`).
     """
     target = current_target() if target is None else target
     if chunk_tokens is None:
         chunk_tokens = CHUNK_TOKENS or default_chunk(h, jnp.dtype(w_dtype).itemsize, target)
     budget = tiling.vmem_budget(target)
-    chunk = min(n, chunk_tokens)
-    while True:
-        base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)
-        shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
-        forward = _fit_forward(base, shape, target, budget)
-        backward = _fit_backward(base, shape, budget)
-        if _backward_need(backward, shape) <= budget or chunk <= MIN_FITTED_CHUNK:
-            break
-        chunk = max(MIN_FITTED_CHUNK, chunk // 2)
+    forward, backward, chunk = _fit(min(n, chunk_tokens), h, v, x_dtype, w_dtype, spec, target, budget)
     if n > chunk:  # whole token blocks of both kernels per chunk, where that leaves a chunk
         unit = math.lcm(forward.block_b, backward.block_b)
         if chunk >= unit:
@@ -123,12 +115,36 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
                   backward.num_cores * backward.nv_per_core * backward.block_v)
     columns = round_up(columns, math.lcm(forward.block_v, backward.block_v))
     dw_entries = backward.nv * backward.block_v
-    running = (dw_entries, h) if spec.w_layout == "vh" else (h, dw_entries)
+    running = (dw_entries, backward.hp) if spec.w_layout == "vh" else (backward.hp, dw_entries)
     return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running)
 
 
 #: The chunk is not halved below this many tokens to fit the backward's VMEM.
 MIN_FITTED_CHUNK = 256
+#: The backward's vocab block is first not narrowed below this (a step of fewer columns spends more of
+#: itself outside the MXU: v6e, Llama-3's head, 3072-token chunks at 256 columns: 1.71 of its MXU minimum;
+#: 1536-token chunks at 512: 1.37), then down to 256 if no chunk fits otherwise.
+PREFERRED_MIN_BLOCK_V = 512
+
+
+def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
+         budget: int) -> tuple[ForwardConfig, BackwardConfig, int]:
+    """Both kernels' configs and the chunk: the largest chunk (halving from ``chunk``) whose backward fits
+    VMEM with vocab blocks of at least :data:`PREFERRED_MIN_BLOCK_V`, else ``chunk`` with narrower ones."""
+    for floor in (PREFERRED_MIN_BLOCK_V, 256):
+        size = chunk
+        while True:
+            base = make_plan(size, h, v, x_dtype, w_dtype, spec, target)
+            shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
+            backward = _fit_backward(base, shape, budget, floor)
+            if _backward_need(backward, shape) <= budget:
+                return _fit_forward(base, shape, target, budget), backward, size
+            if size <= MIN_FITTED_CHUNK:
+                break
+            size = max(MIN_FITTED_CHUNK, size // 2)
+    base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
+    shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
+    return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256), chunk
 
 
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int) -> ForwardConfig:
@@ -141,20 +157,20 @@ def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: in
 
 def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     """VMEM of the kept-logits backward: the recompute backward's model with its ``x`` blocks and ``dx``
-    slots replaced by the chunk-resident ``x`` and float32 ``dx``, plus the kept logits' blocks, the
-    running ``dw``'s block and a float32 (not ``w``-typed) staging block."""
+    slots replaced by the chunk-resident ``x`` and float32 ``dx``, plus the kept logits' blocks, and its
+    accumulator and ``w``-typed staging block replaced by two float32 ``dw`` slots."""
     rows, hp = round_up(cfg.padded_n, 16), cfg.hp
     blocks = hp * cfg.block_v
     recompute = cost_model.backward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, single_w=cfg.w_buffers == 1)
     blocked = 2 * cfg.block_b * hp * (shape.x_bytes + 4)
     resident = rows * hp * (shape.x_bytes + 4)
     logits = 2 * 4 * cfg.block_b * cfg.block_v
-    return recompute - blocked + resident + logits + 4 * blocks + (4 - shape.w_bytes) * blocks
+    return recompute - blocked + resident + logits + (4 - shape.w_bytes) * blocks
 
 
-def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int) -> BackwardConfig:
+def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256) -> BackwardConfig:
     cfg = dataclasses.replace(base.backward, kept_logits=True)
-    while _backward_need(cfg, shape) > budget and cfg.block_v > 256 and cfg.block_v % 256 == 0:
+    while _backward_need(cfg, shape) > budget and cfg.block_v > floor and cfg.block_v % 256 == 0:
         cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
     return cfg
 
@@ -209,7 +225,7 @@ def row_stats_and_grads(
         stats, dx, dw = body(0, initial)
     else:
         stats, dx, dw = jax.lax.fori_loop(0, plan.chunks, body, initial)
-    dw = dw[:v] if spec.w_layout == "vh" else dw[:, :v]
+    dw = dw[:v, :h] if spec.w_layout == "vh" else dw[:h, :v]
     return stats, dx, dw.astype(w.dtype)
 
 
