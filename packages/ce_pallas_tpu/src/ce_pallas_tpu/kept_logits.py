@@ -97,7 +97,7 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     The tiles are the recompute path's for a chunk, adjusted to the VMEM budget: the forward's token
     block halved while its kept-logits blocks do not fit; the backward, which holds the chunk's ``x``
     and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its vocab block halved down to
-    :data:`PREFERRED_MIN_BLOCK_V`, then the chunk (:func:`_fit`).
+    :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, then the chunk (:func:`_fit`).
     """
     target = current_target() if target is None else target
     if chunk_tokens is None:
@@ -121,17 +121,18 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
 
 #: The chunk is not halved below this many tokens to fit the backward's VMEM.
 MIN_FITTED_CHUNK = 256
-#: The backward's vocab block is first not narrowed below this (a step of fewer columns spends more of
-#: itself outside the MXU: v6e, Llama-3's head, 3072-token chunks at 256 columns: 1.71 of its MXU minimum;
-#: 1536-token chunks at 512: 1.37), then down to 256 if no chunk fits otherwise.
-PREFERRED_MIN_BLOCK_V = 512
+#: The backward's vocab block is first not narrowed below this many MXU widths (a step of fewer columns
+#: spends more of itself outside the MXU: v6e, Llama-3's head, 1536-token chunks: 1.063 of the step's MXU
+#: minimum at 1024 columns; 3072-token chunks at 256: 1.71), then down to 256 if no chunk fits otherwise.
+PREFERRED_BLOCK_V_WIDTHS = 4
 
 
 def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
          budget: int) -> tuple[ForwardConfig, BackwardConfig, int]:
     """Both kernels' configs and the chunk: the largest chunk (halving from ``chunk``) whose backward fits
-    VMEM with vocab blocks of at least :data:`PREFERRED_MIN_BLOCK_V`, else ``chunk`` with narrower ones."""
-    for floor in (PREFERRED_MIN_BLOCK_V, 256):
+    VMEM with vocab blocks of at least :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, else ``chunk`` with
+    narrower ones."""
+    for floor in (PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side, 256):
         size = chunk
         while True:
             base = make_plan(size, h, v, x_dtype, w_dtype, spec, target)
