@@ -15,6 +15,7 @@ from ce_bench.commands import common
 def schedule_parser() -> argparse.ArgumentParser:
     """The parser of ``ce-bench schedule``."""
     from ce_bench.schedule import DEFAULT_SCHEDULE_SHAPES, KERNELS, OBJECTIVES, SCHEDULE_TARGETS
+    from ce_bench.step_schedule import DEFAULT_STEP_PATHS, DEFAULT_STEP_SHAPES, STEP_PATHS, STEPS
 
     parser = argparse.ArgumentParser(
         prog="ce-bench schedule",
@@ -34,6 +35,19 @@ def schedule_parser() -> argparse.ArgumentParser:
     parser.add_argument("--argmax", action="store_true", help="the forward with return_argmax=True")
     parser.add_argument("--objective", default="loss", choices=OBJECTIVES,
                         help="loss: the plain loss; rl: linear_log_probs with the entropy (the expected logit)")
+    parser.add_argument("--step", default=None, choices=STEPS,
+                        help="estimate a whole training step instead of each kernel: value_and_grad of the mean "
+                             "loss over x and w, every op of the program (kernels and XLA ops), per --paths, "
+                             "against the 8NHV MXU minimum and the materialised baseline (default shape: "
+                             f"{','.join(DEFAULT_STEP_SHAPES)})")
+    parser.add_argument("--paths", default=",".join(DEFAULT_STEP_PATHS), metavar="P,Q",
+                        help=f"with --step: comma-separated, of {', '.join(STEP_PATHS)} (recompute: today's "
+                             "pallas_tpu loss; materialised: optax over jnp.dot's f32 logits; keep_logits: "
+                             "linear_cross_entropy(keep_logits=True), skipped where ce_core lacks it)")
+    parser.add_argument("--step-tokens", default=None, metavar="N,M",
+                        help="with --step: the token counts the step's ops are profiled at, fitted linearly in N "
+                             "and extrapolated to each shape's N (default per path: recompute 512,1024; "
+                             "materialised 256,512; keep_logits 1024,2048)")
     common.add_output(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
@@ -45,6 +59,8 @@ def main(argv: Sequence[str]) -> int:
 
     parser = schedule_parser()
     args = parser.parse_args(argv)
+    if args.step:
+        return _step_main(parser, args)
     try:
         shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False, default=schedule.DEFAULT_SCHEDULE_SHAPES)
     except ValueError as error:
@@ -71,5 +87,65 @@ def main(argv: Sequence[str]) -> int:
     print(f"\n{len(records)} rows in {time.perf_counter() - start:.0f} s")
     if any(record.get("error") for record in records):
         print("ce-bench schedule: some kernels could not be scheduled (their rows say why)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def parse_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[int] | None]:
+    """``(paths, step tokens)`` of ``--step``; ``parser.error`` on a flag that does not apply to it."""
+    from ce_bench.step_schedule import STEP_PATHS
+
+    kernel_only = {"--kernels": args.kernels != ",".join(("forward", "backward")), "--argmax": args.argmax,
+                   "--w-layout": args.w_layout != "hv", "--objective": args.objective != "loss",
+                   "--precision": args.precision is not None, "--w-dtype": args.w_dtype is not None}
+    given = [flag for flag, on in kernel_only.items() if on]
+    if given:
+        parser.error(f"--step measures the plain loss with default options; {', '.join(given)} do not apply")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in STEP_PATHS]
+    if not paths or unknown:
+        parser.error(f"--paths: unknown {unknown or 'empty'}; choose from {', '.join(STEP_PATHS)}")
+    tokens = None
+    if args.step_tokens:
+        try:
+            tokens = [int(t) for t in args.step_tokens.split(",") if t.strip()]
+        except ValueError:
+            tokens = []
+        if len(tokens) < 2 or min(tokens) < 1:
+            parser.error(f"--step-tokens: two or more positive token counts, got {args.step_tokens!r}")
+    return paths, tokens
+
+
+def _step_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``ce-bench schedule --step value_and_grad``: the whole step per shape and path."""
+    from ce_bench import step_schedule
+    from ce_bench.schedule import ScheduleUnavailableError
+
+    paths, tokens = parse_step_args(parser, args)
+    try:
+        shapes = presets.parse_shapes(args.shapes, reduced_for_cpu=False, default=step_schedule.DEFAULT_STEP_SHAPES)
+        dtype = presets.parse_dtypes(args.dtype)[0].name
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"ce-bench schedule --step {args.step}: libtpu's static schedule of the whole step for TPU {args.target}, "
+          "no TPU present", flush=True)
+    start = time.perf_counter()
+    try:
+        records = step_schedule.run_step_schedule(args.target, shapes, paths, tokens, dtype=dtype, quiet=args.quiet)
+    except ScheduleUnavailableError as error:
+        print(f"ce-bench schedule: {error}", file=sys.stderr)
+        return 1
+    for record in records:
+        record["step"] = args.step
+    print()
+    print(step_schedule.step_table(records, args.format))
+    if any(record.get("extrapolated") for record in records):
+        print("\nops ms: the step's ops profiled at the listed token counts, fitted linearly in N and extrapolated "
+              "to the shape's N; kernels ms: the pallas kernels' grid fit at full size (ce-bench schedule).")
+    if args.json:
+        common.save_json(records, args.json)
+    print(f"\n{len(records)} rows in {time.perf_counter() - start:.0f} s")
+    if any(record.get("error") for record in records):
+        print("ce-bench schedule: some paths could not be estimated (their rows say why)", file=sys.stderr)
         return 1
     return 0

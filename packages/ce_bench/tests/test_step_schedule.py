@@ -1,0 +1,208 @@
+"""``ce-bench schedule --step value_and_grad``: the whole step's estimate from per-op static profiles.
+
+The pure parts (summing profiles over an HLO module with a while loop, the linear extrapolation in N,
+the records, the table and the flags) without libtpu; one slow test compiles a tiny step for v5p.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ce_bench import cli, step_schedule
+from ce_bench.commands import schedule as schedule_command
+from ce_bench.presets import Shape
+from ce_pallas_tpu.tooling.schedule import step
+from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
+
+HLO = """HloModule step
+
+%fused_add (param_0: f32[128,256]) -> f32[128,256] {
+  %param_0 = f32[128,256]{1,0} parameter(0)
+  ROOT %add.9 = f32[128,256]{1,0} add(%param_0, %param_0)
+}
+
+%body (p: (s32[], f32[128,256])) -> (s32[], f32[128,256]) {
+  %p = (s32[], f32[128,256]{1,0}) parameter(0)
+  %loop_fusion = f32[128,256]{1,0:T(8,128)} fusion(%p), kind=kLoop, calls=%fused_add
+  ROOT %t = (s32[], f32[128,256]{1,0}) tuple(%p, %loop_fusion)
+}
+
+%cond (p.1: (s32[], f32[128,256])) -> pred[] {
+  %p.1 = (s32[], f32[128,256]{1,0}) parameter(0)
+  ROOT %lt = pred[] compare(%p.1, %p.1), direction=LT
+}
+
+%fused_dot (param_0.1: bf16[128,256], param_1.1: bf16[256,512]) -> f32[128,512] {
+  %param_0.1 = bf16[128,256]{1,0} parameter(0)
+  %param_1.1 = bf16[256,512]{1,0} parameter(1)
+  ROOT %convolution.1 = f32[128,512]{1,0} convolution(%param_0.1, %param_1.1), dim_labels=bf_io->bf
+}
+
+ENTRY %main (x: bf16[128,256], w: bf16[256,512]) -> f32[128,512] {
+  %x = bf16[128,256]{1,0} parameter(0)
+  %w = bf16[256,512]{1,0} parameter(1)
+  %kernel = f32[128,256]{1,0} custom-call(%x, %w), custom_call_target="tpu_custom_call"
+  %copy.1 = f32[128,256]{1,0} copy(%kernel)
+  %copy.2 = f32[128,256]{1,0} copy(%kernel)
+  %init = (s32[], f32[128,256]{1,0}) tuple(%x, %copy.1)
+  %while.1 = (s32[], f32[128,256]{1,0}) while(%init), condition=%cond, body=%body, backend_config=TRIP
+  ROOT %dot_fusion = f32[128,512]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+}
+""".replace("TRIP", '{"known_trip_count":{"n":"8"}}')
+
+
+def _write_profile(root: Path, name: str, cycles: int, equivalents: int = 1) -> None:
+    text = (f'hlo_op_estimate {{\n  hlo_op_name: "{name}"\n  estimated_cycles: {cycles}\n'
+            f"  num_equivalent_hlos: {equivalents}\n}}\n")
+    (root / f"{name}_TPU v5_static_llo_profile.textproto").write_text(text)
+
+
+def test_profiles_are_summed_with_loop_trip_counts_and_equivalent_ops(tmp_path: Path) -> None:
+    _write_profile(tmp_path, "kernel", 1000)
+    _write_profile(tmp_path, "copy.1", 50, equivalents=2)  # copy.2 is the same op: one file for both
+    _write_profile(tmp_path, "loop_fusion", 10)  # in the while body: walked once, runs 8 times
+    profiles = step.read_op_profiles(tmp_path)
+    assert sorted((p.name, p.cycles, p.equivalents) for p in profiles) == [
+        ("copy.1", 50, 2), ("kernel", 1000, 1), ("loop_fusion", 10, 1)]
+    module = step.parse_hlo(HLO)
+    assert module.runs["loop_fusion"] == 8 and module.runs["copy.1"] == 1 and module.runs["lt"] == 9
+    assert "add.9" not in module.runs  # inside a fusion: profiled as the fusion
+    assert module.flops(module.ops["dot_fusion"]) == 2 * 128 * 512 * 256
+
+    ops = step.sum_step(128, "v5p", HLO, profiles, cores=2)
+    assert ops.kernel_cycles == 1000
+    # dot_fusion has no profile: the longest of its HBM bytes, its flops at the peak, the cheapest op (10).
+    chip = SCHEDULE_CHIPS["v5p"]
+    hbm = (128 * 512 * 4 + 128 * 256 * 2 + 256 * 512 * 2) / chip.hbm_bytes_per_s * chip.clock_hz
+    mxu = 2 * 128 * 512 * 256 / (2 * chip.bf16_flops) * chip.clock_hz
+    dot = max(hbm, mxu, 10)
+    assert ops.xla_cycles == pytest.approx(50 + 50 + 8 * 10 + dot)
+    assert ops.estimated_cycles == pytest.approx(dot)
+    assert ops.estimated_ops == ["dot_fusion"]
+    assert ops.ops == 5 and ops.unprofiled_kernels == []
+    # A kernel the profiler never walked (an abort took it) is named: its bytes say nothing of its cost.
+    lost = step.sum_step(128, "v5p", HLO, [p for p in profiles if p.name != "kernel"], cores=2)
+    assert lost.unprofiled_kernels == ["kernel"]
+    with pytest.raises(RuntimeError, match="kernels kernel"):
+        step_schedule.step_record("v5p", Shape(1024, 256, 512), "keep_logits", {128: lost, 256: lost}, [], 1e9)
+
+
+def test_a_loop_without_a_known_trip_count_is_named() -> None:
+    assert step.unknown_trip_counts(HLO.replace('{"known_trip_count":{"n":"8"}}', "{}")) == ["while.1"]
+    assert step.unknown_trip_counts(HLO) == []
+
+
+def test_type_bytes_counts_tuples_and_ignores_layouts() -> None:
+    assert step.type_bytes("(f32[128,256]{1,0:T(8,128)}, bf16[4]{0})") == 128 * 256 * 4 + 4 * 2
+    assert step.type_bytes("s32[]") == 4
+
+
+def test_linear_extrapolation_in_tokens() -> None:
+    fit = step.linear_fit({256: 3.0, 512: 5.0})
+    assert (fit.intercept, fit.slope, fit.max_residual) == pytest.approx((1.0, 1 / 128, 0.0))
+    assert step_schedule.extrapolate({256: 3.0, 512: 5.0}, 8192) == pytest.approx((65.0, 0.0))
+    # Three points: the line through the two largest; the smallest (w-bound at small N) checks it.
+    value, residual = step_schedule.extrapolate({256: 3.0, 512: 5.0, 1024: 10.0}, 2048)
+    assert value == pytest.approx(20.0) and residual == pytest.approx((3.0 - 2.5) / 3.0)
+    assert step_schedule.extrapolate({512: 7.0}, 512) == (7.0, 0.0)  # at the shape itself: as is
+
+
+def test_small_token_counts_stay_below_the_shape() -> None:
+    assert step_schedule.small_token_counts("materialised", 8192, [256, 512]) == [256, 512]
+    assert step_schedule.small_token_counts("materialised", 300, [256, 512]) == [300]
+    assert step_schedule.small_token_counts("recompute", 8192) == list(step.DEFAULT_STEP_TOKENS["recompute"])
+    # A path looping over token chunks is compiled at one and two chunks (the loop body is the full-size one).
+    assert step_schedule.small_token_counts("keep_logits", 8192, chunk=2048) == [2048, 4096]
+    assert step_schedule.small_token_counts("keep_logits", 8192, [512, 1024], chunk=2048) == [512, 1024]
+
+
+def test_the_8nhv_minimum_uses_the_chip_peak() -> None:
+    # The figures of shared/notes/tpu-static-schedule.md at llama3-8b.
+    assert step_schedule.minimum_ms("v5p", 8192, 4096, 128256) == pytest.approx(75.0, abs=0.05)
+    assert step_schedule.minimum_ms("v6e", 8192, 4096, 128256) == pytest.approx(37.5, abs=0.05)
+    assert step_schedule.minimum_ms("v5e", 8192, 4096, 128256) == pytest.approx(174.8, abs=0.05)
+
+
+def _fake_ops(generation: str, path: str, n: int, h: int, v: int) -> step.StepOps:
+    clock = SCHEDULE_CHIPS[generation].clock_hz
+    per_token_ms = 0.01 if path == "materialised" else 0.001
+    cycles = (0.5 + per_token_ms * n) * clock / 1e3
+    return step.StepOps(n, kernel_cycles=123.0, xla_cycles=cycles, ops=3)
+
+
+def _fake_kernels(shapes: list[Shape], kernels: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [{"kernel": k, "kernel_us": 20_000.0, "hbm_floor_us": 1_000.0, "error": None}
+            for _ in shapes for k in kernels]
+
+
+def test_records_carry_the_estimate_its_ratios_and_the_baseline() -> None:
+    shape = Shape(8192, 4096, 128256, name="llama3-8b")
+    records = step_schedule.run_step_schedule("v5p", [shape], ["recompute", "materialised"], [256, 512], quiet=True,
+                                              measure_ops=_fake_ops, kernel_schedule=_fake_kernels)
+    recompute, materialised = records
+    assert (recompute["path"], materialised["path"]) == ("recompute", "materialised")
+    for record in records:
+        assert record["objective"] == "loss" and record["shape"] == "llama3-8b 8192x4096x128256"
+        assert record["extrapolated"] and record["ops_tokens"] == [256, 512]
+        assert record["ratio_8nhv"] == pytest.approx(record["est_ms"] / record["minimum_8nhv_ms"])
+        assert record["baseline_ms"] == pytest.approx(materialised["est_ms"])
+    # recompute: the kernels' fit (2 x 20 ms) plus its XLA ops extrapolated (kernels of the small compiles left out).
+    assert recompute["kernels_ms"] == pytest.approx(40.0)
+    assert recompute["ops_ms"] == pytest.approx(0.5 + 0.001 * 8192)
+    assert recompute["est_ms"] == pytest.approx(40.0 + 0.5 + 0.001 * 8192)
+    # materialised: every op of the small compiles, extrapolated linearly.
+    assert materialised["kernels_ms"] is None
+    kernel_ms = 123.0 / SCHEDULE_CHIPS["v5p"].clock_hz * 1e3
+    assert materialised["est_ms"] == pytest.approx(0.5 + 0.01 * 8192 + kernel_ms)
+    table = step_schedule.step_table(records, "markdown")
+    header, _, *rows = table.splitlines()
+    assert "est. / 8NHV" in header and "baseline ms" in header
+    assert "256,512 (linear to 8192)" in rows[0]
+    json.dumps(records)  # plain JSON
+
+
+def test_a_path_that_does_not_exist_yet_is_skipped_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step, "path_unavailable",
+                        lambda path: "ce_core.linear_cross_entropy has no keep_logits option yet"
+                        if path == "keep_logits" else None)
+    records = step_schedule.run_step_schedule("v6e", [Shape(4096, 1024, 32768)], ["keep_logits", "materialised"],
+                                              quiet=True, measure_ops=_fake_ops, kernel_schedule=_fake_kernels)
+    assert records[0]["skipped"] and records[0]["error"] is None and records[0]["est_ms"] is None
+    assert records[0]["baseline_ms"] == pytest.approx(records[1]["est_ms"])
+    row = step_schedule.step_table(records, "markdown").splitlines()[2]
+    assert "skipped[1]" in row
+
+
+def test_the_step_flags() -> None:
+    parser = schedule_command.schedule_parser()
+    args = parser.parse_args(["--target", "v5p", "--step", "value_and_grad", "--paths", "recompute,keep_logits",
+                              "--step-tokens", "256,512"])
+    assert schedule_command.parse_step_args(parser, args) == (["recompute", "keep_logits"], [256, 512])
+    args = parser.parse_args(["--target", "v5p", "--step", "value_and_grad"])
+    assert schedule_command.parse_step_args(parser, args) == (list(step_schedule.DEFAULT_STEP_PATHS), None)
+    for bad in (["--paths", "bogus"], ["--step-tokens", "256"], ["--objective", "rl"], ["--argmax"]):
+        with pytest.raises(SystemExit):
+            cli.main(["schedule", "--target", "v5p", "--step", "value_and_grad", *bad])
+    with pytest.raises(SystemExit):
+        cli.main(["schedule", "--target", "v5p", "--step", "grad"])
+
+
+@pytest.mark.slow
+def test_the_step_compiles_and_sums_for_v5p(tmp_path: Path) -> None:
+    """A tiny step for v5p, both paths: every figure comes out, above the 8NHV minimum's order."""
+    json_path = tmp_path / "step.json"
+    code = cli.main(["schedule", "--target", "v5p", "--step", "value_and_grad", "--shapes", "512x256x2048",
+                     "--paths", "recompute,materialised", "--step-tokens", "128,256", "--json", str(json_path),
+                     "--quiet"])
+    assert code == 0
+    records = json.loads(json_path.read_text())
+    assert [r["path"] for r in records] == ["recompute", "materialised"]
+    for record in records:
+        assert record["error"] is None, record
+        assert record["est_ms"] > 0 and record["ratio_8nhv"] > 0.5
+        assert record["baseline_ms"] == records[1]["est_ms"]
+    assert records[0]["kernels_ms"] > 0
