@@ -9,8 +9,8 @@ For a loss reduced to a scalar, every token's cotangents are known as soon as it
    (``ForwardConfig.keep_logits``);
 2. XLA merges the cores' statistics and forms their cotangents (``cotangent_fn``, ``[chunk]``-sized);
 3. the backward kernel reads the kept logits instead of recomputing them (``BackwardConfig.kept_logits``),
-   forms ``delta``, adds the chunk's ``dx`` rows and adds its ``dw`` onto a float32 running sum, which
-   it reads block by block under the steps of each vocab block and writes back in place.
+   forms ``delta``, holds the chunk's ``x`` and float32 ``dx`` in VMEM, and adds its ``dw`` onto a float32
+   running sum, whose blocks DMAs bring into two VMEM slots and write back in place.
 
 So the MXU runs ``x @ w`` once per token (forward) and the two gradient products (backward), and the
 extra memory is the float32 ``dw`` (padded to whole vocab blocks) and one chunk's logits. The
@@ -53,10 +53,10 @@ def default_chunk(h: int, w_bytes: int, target: Target) -> int:
 
     A chunk of ``C`` tokens does ``6 C H V`` flops and moves ``2 w_bytes H V`` (``w`` read by both
     kernels), ``8 H V`` (the float32 ``dw`` read and written) and ``8 C V`` bytes (the logits written
-    and read): with ``R`` the core's flops per byte, the traffic hides from ``C = 2 R w_bytes H / (6 H -
-    8 R)`` (ignoring ``x``, ``dx`` and the ``[C]`` columns, a fraction ``V / H`` smaller). v5p at H=4096:
-    about 350 tokens; v6e: about 1,400; where ``6 H <= 8 R`` (narrow heads on v6e) no chunk hides it
-    and the largest is taken.
+    and read): with ``R`` the core's flops per byte, the traffic hides from ``C = (2 w_bytes + 8) R H /
+    (6 H - 8 R)`` (``x``, ``dx`` and the ``[C]`` columns move once per chunk, a fraction ``H / V`` of that).
+    v5p at H=4096, bf16: about 350 tokens; v6e: about 1,400; where ``6 H <= 8 R`` (narrow heads on v6e) no
+    chunk hides it and the largest is taken.
     """
     ridge = target.facts.flops_per_byte
     denominator = 6 * h - 8 * ridge
