@@ -347,7 +347,7 @@ def test_float16_mean_gradients_do_not_underflow():
 
 
 @pytest.mark.parametrize("rows,f32_dw", [(None, False), (64, True)])
-def test_one_token_chunk_accumulates_no_float32_dw(rows, f32_dw):
+def test_one_token_chunk_holds_no_float32_dw_temporaries(rows, f32_dw):
     """Tokens outer with one token chunk writes each ``dw`` share in ``w``'s dtype (it is final): no float32
     ``[H, V]`` buffer (4HV = 64 MiB here, one logits chunk 8 MiB); two chunks accumulate in one."""
     n, h, v = 128, 1024, 16384
