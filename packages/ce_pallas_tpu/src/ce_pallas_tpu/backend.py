@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 from typing import Any
 
@@ -17,7 +18,12 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 class PallasTpuBackend(Backend):
-    """Streaming forward and core-grid backward Pallas TPU kernels (interpretable on CPU)."""
+    """Streaming forward and core-grid backward Pallas TPU kernels (interpretable on CPU).
+
+    ``keep_logits_budget_bytes`` is the most extra HBM the default (``keep_logits=None``) lets a scalar
+    loss's gradient spend on kept logits and a float32 ``dw`` (``None``: ``min(4 GiB, HBM / 8)`` of the
+    chip compiled for; 0 always recomputes); see :mod:`ce_pallas_tpu.kept_logits`.
+    """
 
     name = "pallas_tpu"
     contract_version = 3
@@ -25,6 +31,12 @@ class PallasTpuBackend(Backend):
     default_priority = MappingProxyType({"tpu": 20})
     #: Pallas cannot batch the kernels; under ``vmap`` ce_core folds the batch into the tokens instead.
     batchable = False
+
+    def __init__(self, keep_logits_budget_bytes: int | None = None) -> None:
+        value = keep_logits_budget_bytes
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"keep_logits_budget_bytes must be an int >= 0 or None, got {value!r}")
+        self.keep_logits_budget_bytes = keep_logits_budget_bytes
 
     def is_available(self) -> bool:
         """A TPU default device, ``CE_PALLAS_TPU_INTERPRET=1`` or ``CE_PALLAS_TPU_TARGET`` (read now)."""
@@ -50,8 +62,24 @@ class PallasTpuBackend(Backend):
                           current)
 
     def block_sizes_for(self, problem: Problem) -> TileReport:
-        """The forward and backward tiles and grids for ``problem`` on the current target, and their source."""
-        return ops.make_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype, problem.spec).report()
+        """The forward and backward tiles and grids for ``problem`` on the current target, and their source;
+        ``details["keep_logits"]`` says how a scalar loss's gradient runs (kept chunks or the recompute)."""
+        report = ops.make_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype,
+                               problem.spec).report()
+        kept = self.kept_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype, problem.spec)
+        said = "recompute" if kept is None else f"{kept.chunk}-token chunks, {kept.extra_bytes} bytes extra"
+        return dataclasses.replace(report, details={**report.details, "keep_logits": said})
+
+    def kept_plan(self, n: int, h: int, v: int, x_dtype: Any, w_dtype: Any,
+                  spec: StatsSpec) -> kept_logits.KeptPlan | None:
+        """The kept-logits plan a scalar loss's gradient takes on the current target, or ``None`` where
+        it recomputes: ``spec.keep_logits`` forces either; ``None`` is :func:`kept_logits.choose`'s call
+        within this backend's budget."""
+        if spec.keep_logits is False or n == 0:
+            return None
+        if spec.keep_logits:
+            return kept_logits.plan_chunks(n, h, v, x_dtype, w_dtype, spec)
+        return kept_logits.choose(n, h, v, x_dtype, w_dtype, spec, budget_bytes=self.keep_logits_budget_bytes)
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
                   row_scale: jax.Array | None = None) -> RowStats:
@@ -81,12 +109,14 @@ class PallasTpuBackend(Backend):
         *,
         row_scale: jax.Array | None = None,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
-        """With ``spec.keep_logits`` the logits kept between the passes (:mod:`ce_pallas_tpu.kept_logits`,
-        6NHV); otherwise (``None`` included, until the schedule shows where keeping pays) the forward
-        kernel, then the backward kernel recomputing them (8NHV)."""
-        if spec.keep_logits:
+        """Where :meth:`kept_plan` gives a plan, the logits kept between the passes
+        (:mod:`ce_pallas_tpu.kept_logits`, 6NHV); otherwise the forward kernel, then the backward kernel
+        recomputing them (8NHV)."""
+        v = ops.vocab_size(w, spec)
+        plan = self.kept_plan(x.shape[0], x.shape[1], v, x.dtype, w.dtype, spec)
+        if plan is not None:
             return kept_logits.row_stats_and_grads(x, w, labels, spec, cotangent_fn, token_params,
-                                                   row_scale=row_scale)
+                                                   row_scale=row_scale, plan=plan)
         return super().row_stats_and_grads(x, w, labels, spec, cotangent_fn, token_params, row_scale=row_scale)
 
 

@@ -74,6 +74,11 @@ class BackwardConfig(common.KernelConfig):
     #: Take the logits from the forward's kept ones (:mod:`ce_pallas_tpu.kept_logits`) instead of
     #: recomputing them, and add ``dw`` onto a float32 running sum (padded to whole vocab blocks).
     kept_logits: bool = False
+    #: Kept-logits mode: whether ``dw`` starts from the running float32 sum of earlier chunks (False: the
+    #: first chunk, whose slots start at zero) and whether it ends in that sum (False: the last chunk,
+    #: which writes the finished ``dw`` in ``w``'s dtype and exact shape, as the recompute kernel does).
+    dw_from_running: bool = True
+    dw_to_running: bool = True
 
     @property
     def dw_transposed(self) -> bool:
@@ -141,8 +146,12 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
     expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
     rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
     if cfg.kept_logits:
-        z_ref, _, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems = refs  # (the running dw's input is dw_hbm: aliased)
-        _kept_kernel(x_ref, w_ref, z_ref, rows, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, cfg)
+        z_ref = refs.pop(0)
+        running_in = refs.pop(0) if cfg.dw_from_running else None
+        dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, *staging = refs
+        if cfg.dw_from_running and cfg.dw_to_running:
+            running_in = dw_hbm  # aliased: read and written in place
+        _kept_kernel(x_ref, w_ref, z_ref, rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, staging, cfg)
         return
     dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
     dw_remainder = rest_buf[0] if rest_buf else None
@@ -166,11 +175,14 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
         step()
 
 
-def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
-                 cfg: BackwardConfig) -> None:
+def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
+                 staging, cfg: BackwardConfig) -> None:
     """Kept-logits mode (:mod:`ce_pallas_tpu.kept_logits`): ``delta`` from the forward's logits; the chunk's
     ``x`` and float32 ``dx`` resident in VMEM; ``dw`` accumulated onto the running sum in two VMEM slots
-    that DMAs fill and empty (:func:`_running_dw_dmas`), so no vector pass zeroes, stages or adds a tile."""
+    that DMAs fill and empty (:func:`_running_dw_dmas`), so no vector pass zeroes, stages or adds a tile.
+    The first chunk's slots start at zero instead (:attr:`BackwardConfig.dw_from_running`); the last
+    chunk's go out through the recompute kernel's staging buffer in ``w``'s dtype
+    (:attr:`BackwardConfig.dw_to_running`)."""
     core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = core * cfg.nv_per_core + jj
     slot = jj % 2
@@ -179,10 +191,16 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, dw_hbm, dxp_hbm, dw_slots, dx
         _prepare_resident_x(x_ref, jj, i, cfg)
         _mask_ragged_operands(None, w_ref, i, block, cfg)
         _mask_ragged_logits(z_ref, i, block, cfg)
-        _running_dw_dmas(dw_hbm, dw_slots, sems, jj, i, block, cfg)
+        _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, cfg)
         d = _logit_cotangent(None, w_ref, z_ref, rows, i, block, cfg)
         _dw_step(x_ref.at[_token_rows(i, cfg)], d, dw_slots.at[slot], i, cfg)
-        _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, cfg)
+        if cfg.dw_to_running:
+            _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, cfg)
+        else:
+            dw_stage = staging[0]
+            write = _dw_write(dw_hbm, dw_stage, staging[1] if len(staging) > 1 else None, sems, block, cfg)
+            _write_dw(dw_slots.at[slot], dw_stage, staging[1] if len(staging) > 1 else None, write, i, jj, block,
+                      cfg)
         _dx_resident_step(w_ref, d, dx_acc.at[_token_rows(i, cfg)], jj, cfg)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
@@ -207,29 +225,35 @@ def _core_last_block(jj, block, cfg: BackwardConfig):
     return (jj == cfg.nv_per_core - 1) | (block == cfg.nv - 1)
 
 
-def _running_dw_dmas(dw_hbm, dw_slots, sems, jj, i, block, cfg: BackwardConfig) -> None:
+def _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, cfg: BackwardConfig) -> None:
     """Vocab block ``jj`` of a core accumulates in slot ``jj % 2``, which must hold the running ``dw``'s
-    block first: the core's first block reads it now; later ones wait for the read started halfway
-    through the block before. Halfway through this block the other slot's write (the block before) is
-    waited for and the next block's read into it started."""
+    block first (unless this is the first chunk, :attr:`BackwardConfig.dw_from_running`): the core's
+    first block reads it now; later ones wait for the read started halfway through the block before.
+    Halfway through this block the other slot's write to the running sum (the block before) is waited
+    for (the last chunk stages its tiles synchronously instead), and the next block's read into it started."""
     slot = jj % 2
-    this = _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, cfg, read=True)
+    if cfg.dw_from_running:
+        this = _running_dw_copy(running_in, dw_slots, sems, block, slot, cfg, read=True)
 
-    @pl.when((jj == 0) & (i == 0))
-    def _():
-        this.start()
+        @pl.when((jj == 0) & (i == 0))
+        def _():
+            this.start()
 
-    pl.when(i == 0)(this.wait)
+        pl.when(i == 0)(this.wait)
 
     @pl.when(i == cfg.nb // 2)
     def _():
-        @pl.when(jj > 0)
-        def _():
-            _running_dw_copy(dw_hbm, dw_slots, sems, block - 1, 1 - slot, cfg, read=False).wait()
+        if cfg.dw_to_running:
 
-        @pl.when(jnp.logical_not(_core_last_block(jj, block, cfg)))
-        def _():
-            _running_dw_copy(dw_hbm, dw_slots, sems, block + 1, 1 - slot, cfg, read=True).start()
+            @pl.when(jj > 0)
+            def _():
+                _running_dw_copy(dw_hbm, dw_slots, sems, block - 1, 1 - slot, cfg, read=False).wait()
+
+        if cfg.dw_from_running:
+
+            @pl.when(jnp.logical_not(_core_last_block(jj, block, cfg)))
+            def _():
+                _running_dw_copy(running_in, dw_slots, sems, block + 1, 1 - slot, cfg, read=True).start()
 
 
 def _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, cfg: BackwardConfig) -> None:
@@ -422,10 +446,10 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
 
 def _dw_step(x_ref, d: jax.Array, dw_acc, i, cfg: BackwardConfig) -> None:
     """The dw tile, accumulated over token blocks in VMEM. The accumulator is zeroed first (kept-logits
-    mode: it holds the running sum's block already) and the product added unconditionally, so the MXU
-    result goes straight into it."""
+    mode after the first chunk: it holds the running sum's block already) and the product added
+    unconditionally, so the MXU result goes straight into it."""
 
-    if not cfg.kept_logits:
+    if not (cfg.kept_logits and cfg.dw_from_running):
 
         @pl.when(i == 0)
         def _():
@@ -568,14 +592,15 @@ def backward_call(
     g_expected: jax.Array | None,
     cfg: BackwardConfig,
     row_scale: jax.Array | None = None,
-    kept: tuple[jax.Array, jax.Array] | None = None,
+    kept: tuple[jax.Array, jax.Array | None] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dx partials float32 [cores, Np, Hp], dw in w's layout and dtype)``.
 
     With ``cfg.kept_logits``, ``kept`` is ``(logits, running_dw)``: the forward's kept raw logits
     (:func:`ce_pallas_tpu.forward.forward_call`) and the float32 sum of earlier chunks' ``dw`` in
-    ``w``'s layout, padded to ``nv * block_v`` vocab entries; the ``dw`` returned is that sum plus
-    this call's (the same buffer: donated, aliased).
+    ``w``'s layout, padded to ``nv * block_v`` vocab entries (``None`` for the first chunk,
+    ``cfg.dw_from_running`` False); the ``dw`` returned is that sum plus this call's (the same buffer:
+    donated, aliased), or with ``cfg.dw_to_running`` False the finished ``dw`` in ``w``'s dtype and shape.
 
     ``x`` is ``[N, H]``, ``w`` is ``[H, V]`` (``[V, H]`` for ``cfg.w_layout == "vh"``); ``labels``
     (int32), ``row_scale`` (float32, only with ``cfg.with_row_scale``), ``lse``, ``expected`` and the
@@ -590,13 +615,20 @@ def backward_call(
             raise ValueError("backward_call: cfg.kept_logits needs kept=(logits, running_dw)")
         logits, running = kept
         padded = (cfg.nv * cfg.block_v, cfg.hp) if cfg.w_layout == "vh" else (cfg.hp, cfg.nv * cfg.block_v)
-        if running.shape != padded or running.dtype != jnp.float32:
+        if cfg.dw_from_running != (running is not None):
+            raise ValueError("backward_call: running_dw must be given exactly when cfg.dw_from_running")
+        if running is not None and (running.shape != padded or running.dtype != jnp.float32):
             raise ValueError(f"backward_call: running_dw must be float32 {padded}, got {running.dtype} {running.shape}")
         nvc = cfg.nv_per_core
-        in_specs += [pl.BlockSpec((cfg.block_b, cfg.block_v), lambda c, j, i: (i, c * nvc + j)),
-                     pl.BlockSpec(memory_space=pl.ANY)]
-        operands += [logits, running]
-        dw_shape, dw_dtype, aliases = padded, jnp.float32, {len(operands) - 1: 0}
+        in_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v), lambda c, j, i: (i, c * nvc + j)))
+        operands.append(logits)
+        if running is not None:
+            in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+            operands.append(running)
+        if cfg.dw_to_running:
+            dw_shape, dw_dtype = padded, jnp.float32
+            if running is not None:
+                aliases = {len(operands) - 1: 0}
     axes, operands = common.per_device_operands(operands, cfg.interpret)
     out_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2  # dw and the dx partials, in HBM (manual DMAs)
     out_shape = [
@@ -609,17 +641,17 @@ def backward_call(
             pltpu.VMEM((cfg.padded_n, cfg.hp), jnp.float32),  # the chunk's dx partial, resident
             pltpu.SemaphoreType.DMA((3,)),  # dw in, dx out, dw out
         ]
+        if not cfg.dw_to_running:
+            scratch += _dw_staging(cfg, dw_dtype)
     else:
+        stage, *remainder = _dw_staging(cfg, dw_dtype)
         scratch = [
             pltpu.VMEM(cfg.dw_acc_shape, jnp.float32),  # dw accumulator
-            pltpu.VMEM(_block_shape(cfg, cfg.hidden), dw_dtype),  # dw staging: the finished tile on its way out
+            stage,
             pltpu.VMEM((2, cfg.block_b, cfg.hp), jnp.float32),  # dx partial rows: two slots, read-add-write
             pltpu.SemaphoreType.DMA((3,)),  # dx rows in, dx rows out, dw out
+            *remainder,
         ]
-        remainder = _dw_tail_split(cfg)[1]
-        if remainder:  # the ragged last vocab block's entries past its last whole layout tile
-            scratch.append(pltpu.VMEM(_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden),
-                                      w.dtype))
     dw, dx_partials = pl.pallas_call(
         functools.partial(_backward_kernel, cfg=cfg),
         grid=(cfg.num_cores, cfg.nv_per_core, cfg.nb),
@@ -644,6 +676,16 @@ def backward_call(
         name="ce_pallas_tpu_backward",
     )(*operands)
     return dx_partials, dw
+
+
+def _dw_staging(cfg: BackwardConfig, dtype: Any) -> list[Any]:
+    """VMEM for the finished ``dw`` tile on its way out in ``w``'s dtype: the staging block, and for a
+    ragged last vocab block the buffer of its entries past the last whole layout tile (:func:`_dw_write`)."""
+    buffers = [pltpu.VMEM(_block_shape(cfg, cfg.hidden), dtype)]
+    remainder = _dw_tail_split(cfg)[1]
+    if remainder:
+        buffers.append(pltpu.VMEM(_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden), dtype))
+    return buffers
 
 
 def _w_block_spec(cfg: BackwardConfig) -> pl.BlockSpec:

@@ -18,13 +18,17 @@ chunk's rows are a whole number of both kernels' token blocks where ``N`` allows
 ends at ``N`` and may overlap the one before, its overlapped rows given zero cotangents (they add
 nothing) and their statistics rewritten with the same values.
 
-Where the path does not apply (the placement splits the vocabulary, whose global lse is known only
-after a collective), :class:`ce_pallas_tpu.backend.PallasTpuBackend` keeps the recompute.
+With ``keep_logits=None`` the backend keeps the logits where :func:`choose` says so: the extra memory
+fits :func:`keep_logits_budget` (``min(4 GiB, HBM / 8)``) and a roofline estimate of both paths
+(:func:`estimated_seconds`) has the kept one faster. Where the path does not apply (the placement splits
+the vocabulary, whose global lse is known only after a collective),
+:class:`ce_pallas_tpu.backend.PallasTpuBackend` keeps the recompute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -45,6 +49,16 @@ from ce_pallas_tpu.target import Target, current_target
 CHUNK_TOKENS: int | None = None
 #: Bounds of the rule's chunk: fewer rows make each step's matmuls short; more hold more logits.
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 1024, 4096
+#: The most extra HBM the default (``keep_logits=None``) lets the path hold, whatever the chip...
+KEEP_LOGITS_BUDGET_CAP_BYTES = 4 * 2**30
+#: ...and at most this fraction of the chip's HBM (an eighth: 2 GiB on a v5e, 4 GiB from 32 GiB up).
+KEEP_LOGITS_HBM_DIVISOR = 8
+
+
+def keep_logits_budget(target: Target) -> int:
+    """The extra HBM the default may spend on kept logits and the float32 ``dw`` on ``target``:
+    ``min(4 GiB, HBM / 8)`` (the same rule as ``xla``'s, with the chip's HBM from its facts)."""
+    return min(KEEP_LOGITS_BUDGET_CAP_BYTES, target.facts.hbm_bytes // KEEP_LOGITS_HBM_DIVISOR)
 
 
 def default_chunk(h: int, w_bytes: int, target: Target) -> int:
@@ -84,9 +98,21 @@ class KeptPlan:
         return cdiv(self.n, self.chunk)
 
     @property
+    def backward_configs(self) -> tuple[BackwardConfig, BackwardConfig, BackwardConfig]:
+        """The backward of the first chunk (starting the float32 running ``dw``), of the chunks between
+        (adding onto it in place) and of the last (ending in ``w``'s dtype); one chunk is first and last."""
+        b = self.backward
+        if self.chunks == 1:
+            only = dataclasses.replace(b, dw_from_running=False, dw_to_running=False)
+            return only, only, only
+        return (dataclasses.replace(b, dw_from_running=False), b, dataclasses.replace(b, dw_to_running=False))
+
+    @property
     def extra_bytes(self) -> int:
-        """HBM this path holds beyond the recompute path's: one chunk's logits and the running dw."""
-        return 4 * (math.prod(self.logits_shape) + math.prod(self.running_dw_shape))
+        """HBM this path holds beyond the recompute path's: one chunk's logits and (over several chunks)
+        the float32 running dw."""
+        running = math.prod(self.running_dw_shape) if self.chunks > 1 else 0
+        return 4 * (math.prod(self.logits_shape) + running)
 
 
 def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
@@ -101,13 +127,19 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     """
     target = current_target() if target is None else target
     if chunk_tokens is None:
-        chunk_tokens = CHUNK_TOKENS or default_chunk(h, jnp.dtype(w_dtype).itemsize, target)
+        chunk_tokens = CHUNK_TOKENS or _whole_chunks(n, default_chunk(h, jnp.dtype(w_dtype).itemsize, target))
     budget = tiling.vmem_budget(target)
     forward, backward, chunk = _fit(min(n, chunk_tokens), h, v, x_dtype, w_dtype, spec, target, budget)
     if n > chunk:  # whole token blocks of both kernels per chunk, where that leaves a chunk
         unit = math.lcm(forward.block_b, backward.block_b)
         if chunk >= unit:
             chunk = chunk // unit * unit
+            forward = dataclasses.replace(forward, n=chunk)
+            backward = dataclasses.replace(backward, n=chunk)
+    if n > chunk:  # as few tokens per chunk as the same number of chunks needs (less overlap at the end)
+        balanced = round_up(cdiv(n, cdiv(n, chunk)), math.lcm(forward.block_b, backward.block_b))
+        if balanced < chunk:
+            chunk = balanced
             forward = dataclasses.replace(forward, n=chunk)
             backward = dataclasses.replace(backward, n=chunk)
     rows = round_up(max(forward.padded_n, backward.padded_n), math.lcm(forward.block_b, backward.block_b))
@@ -117,6 +149,63 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     dw_entries = backward.nv * backward.block_v
     running = (dw_entries, backward.hp) if spec.w_layout == "vh" else (backward.hp, dw_entries)
     return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running)
+
+
+def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[float, float]:
+    """Roofline estimates ``(kept, recompute)`` of the whole gradient step, each kernel the longer of its
+    MXU work at the bf16 peak and its HBM traffic at the chip's bandwidth (all cores together).
+
+    Recompute: the forward (``2NHV`` flops; ``w`` read) and the backward (``6NHV``; ``w`` read, ``dw``
+    written). Kept, per chunk of ``C`` tokens: the forward (``2CHV``; ``w`` read, ``4CV`` bytes of logits
+    written) and the backward (``4CHV``; ``w`` and the logits read, the float32 running ``dw`` read and
+    written: the first chunk only writes it, the last reads it and writes ``dw`` in ``w``'s dtype). The
+    statistics, ``x`` and ``dx`` move ``[N]``- and ``[N, H]``-sized bytes on both paths, left out.
+    This is what decides ``keep_logits=None``; libtpu's static schedule checks it (``docs/benchmarks.md``).
+    """
+    cores = target.num_cores
+    flops, bandwidth = target.facts.bf16_flops * cores, target.facts.hbm_bytes_per_s * cores
+    n, h, v, c = plan.n, plan.h, plan.v, plan.chunk
+    head = h * v * jnp.dtype(w_dtype).itemsize
+    logits, running = 4 * c * plan.logits_shape[1], 4 * math.prod(plan.running_dw_shape)
+    recompute = max(2 * n * h * v / flops, head / bandwidth) + max(6 * n * h * v / flops, 2 * head / bandwidth)
+
+    def chunk(dw_bytes: float) -> float:
+        return (max(2 * c * h * v / flops, (head + logits) / bandwidth)
+                + max(4 * c * h * v / flops, (head + logits + dw_bytes) / bandwidth))
+
+    if plan.chunks == 1:
+        return chunk(head), recompute
+    kept = chunk(running) + (plan.chunks - 2) * chunk(2 * running) + chunk(running + head)
+    return kept, recompute
+
+
+def choose(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
+           target: Target | None = None, budget_bytes: int | None = None) -> KeptPlan | None:
+    """The kept-logits plan for a scalar loss's gradient under ``keep_logits=None``, or ``None`` for the
+    recompute: kept where its :attr:`KeptPlan.extra_bytes` fit ``budget_bytes`` (default
+    :func:`keep_logits_budget`; the chunk shrinks towards :data:`MIN_CHUNK_TOKENS` to fit) and
+    :func:`estimated_seconds` has it faster."""
+    target = current_target() if target is None else target
+    budget = keep_logits_budget(target) if budget_bytes is None else budget_bytes
+    if n == 0:
+        return None
+    plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target)
+    if plan.extra_bytes > budget and plan.chunks > 1:  # fewer tokens per chunk, down to 1024, may fit
+        logits_room = budget - 4 * math.prod(plan.running_dw_shape)
+        fitting = logits_room // (4 * plan.logits_shape[1]) // 512 * 512
+        if MIN_CHUNK_TOKENS <= fitting < plan.chunk:
+            plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target, chunk_tokens=fitting)
+    if plan.extra_bytes > budget:
+        return None
+    kept, recompute = estimated_seconds(plan, w_dtype, target)
+    return plan if kept < recompute else None
+
+
+def _whole_chunks(n: int, preferred: int) -> int:
+    """The chunk for ``n`` tokens near ``preferred``: ``n`` split into as many equal chunks as whole
+    ``preferred`` ones fit, in whole 512s (about ``preferred`` to twice that, at most :data:`MAX_CHUNK_TOKENS`):
+    4096 tokens at 1536 go in two 2048-token chunks, not three with the last overlapping the one before."""
+    return min(MAX_CHUNK_TOKENS, max(preferred, round_up(cdiv(n, max(1, n // preferred)), 512)))
 
 
 #: The chunk is not halved below this many tokens to fit the backward's VMEM.
@@ -129,9 +218,9 @@ PREFERRED_BLOCK_V_WIDTHS = 4
 
 def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
          budget: int) -> tuple[ForwardConfig, BackwardConfig, int]:
-    """Both kernels' configs and the chunk: the largest chunk (halving from ``chunk``) whose backward fits
-    VMEM with vocab blocks of at least :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, else ``chunk`` with
-    narrower ones."""
+    """Both kernels' configs and the chunk: the largest chunk (from ``chunk`` down, by 512 tokens to 1024,
+    then halving) whose backward fits VMEM with vocab blocks of at least :data:`PREFERRED_BLOCK_V_WIDTHS`
+    MXU widths, else ``chunk`` with narrower ones."""
     for floor in (PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side, 256):
         size = chunk
         while True:
@@ -142,7 +231,7 @@ def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec
                 return _fit_forward(base, shape, target, budget), backward, size
             if size <= MIN_FITTED_CHUNK:
                 break
-            size = max(MIN_FITTED_CHUNK, size // 2)
+            size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
     base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
     shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
     return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256), chunk
@@ -159,14 +248,15 @@ def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: in
 def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     """VMEM of the kept-logits backward: the recompute backward's model with its ``x`` blocks and ``dx``
     slots replaced by the chunk-resident ``x`` and float32 ``dx``, plus the kept logits' blocks, and its
-    accumulator and ``w``-typed staging block replaced by two float32 ``dw`` slots."""
+    float32 accumulator replaced by two float32 ``dw`` slots (the ``w``-typed staging block stays: the
+    last chunk writes through it)."""
     rows, hp = round_up(cfg.padded_n, 16), cfg.hp
     blocks = hp * cfg.block_v
     recompute = cost_model.backward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, single_w=cfg.w_buffers == 1)
     blocked = 2 * cfg.block_b * hp * (shape.x_bytes + 4)
     resident = rows * hp * (shape.x_bytes + 4)
     logits = 2 * 4 * cfg.block_b * cfg.block_v
-    return recompute - blocked + resident + logits + (4 - shape.w_bytes) * blocks
+    return recompute - blocked + resident + logits + 4 * blocks
 
 
 def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256) -> BackwardConfig:
@@ -196,7 +286,7 @@ def row_stats_and_grads(
     y = labels.astype(jnp.int32)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
 
-    def body(index, carry):
+    def chunk(index, carry, cfg: BackwardConfig):
         stats, dx, dw = carry
         first_new = index * rows
         start = jnp.minimum(first_new, n - rows) if n % rows else first_new
@@ -211,7 +301,7 @@ def row_stats_and_grads(
         if n % rows:  # rows an earlier chunk owned add nothing now
             owned = jnp.arange(rows, dtype=jnp.int32) + start >= first_new
             cotangent = jax.tree.map(lambda g: jnp.where(owned, g, 0.0), cotangent)
-        dx_partials, dw = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, plan)
+        dx_partials, dw = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, cfg)
         dx_c = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
         # Each row's dx comes from one chunk (an overlapped row's second is 0), so x's dtype holds it exactly.
         dx_c = (piece(dx).astype(jnp.float32) + dx_c[:rows, :h]).astype(dx.dtype)
@@ -220,19 +310,21 @@ def row_stats_and_grads(
         stats = jax.tree.map(put, stats, stats_c)
         return stats, dx, dw
 
-    initial = (_empty_stats(n, spec), jnp.zeros((n, h), x.dtype), jnp.zeros(plan.running_dw_shape, jnp.float32))
-    initial = vary_like(initial, x, w, labels, token_params, row_scale)
-    if plan.chunks == 1:
-        stats, dx, dw = body(0, initial)
-    else:
-        stats, dx, dw = jax.lax.fori_loop(0, plan.chunks, body, initial)
-    dw = dw[:v, :h] if spec.w_layout == "vh" else dw[:h, :v]
-    return stats, dx, dw.astype(w.dtype)
+    # The first chunk starts the float32 running dw (no zeroed buffer read); the chunks between add onto
+    # it in place; the last one writes the finished dw in w's dtype (no slice and cast after the loop).
+    first, middle, last = plan.backward_configs
+    carry = vary_like((_empty_stats(n, spec), jnp.zeros((n, h), x.dtype), None), x, w, labels, token_params,
+                      row_scale)
+    carry = chunk(0, carry, first)
+    if plan.chunks > 2:
+        carry = jax.lax.fori_loop(1, plan.chunks - 1, functools.partial(chunk, cfg=middle), carry)
+    if plan.chunks > 1:
+        carry = chunk(plan.chunks - 1, carry, last)
+    return carry
 
 
-def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, plan: KeptPlan):
+def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, cfg: BackwardConfig):
     """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's)``."""
-    cfg = plan.backward
 
     def column(g: jax.Array | None) -> jax.Array | None:
         return None if g is None else g.astype(jnp.float32).reshape(-1, 1)
