@@ -476,7 +476,9 @@ def assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w,
 
     xla adds ``4HV/k``: each device's float32 ``dw`` accumulator beyond its ``dx`` one (0.7-1.8 GiB here)
     fits a deviceless TPU's keep-logits budget (2 GiB: ``ce_xla.tiling``), so it takes tokens outer (its
-    vocab-outer bound, a budget of 0, is checked in ``packages/ce_xla/tests/test_memory.py``)."""
+    vocab-outer bound, a budget of 0, is checked in ``packages/ce_xla/tests/test_memory.py``). pallas_tpu
+    adds its keep-logits budget (4 GiB on v5p and v6e alike: ``ce_pallas_tpu.kept_logits``), which a scalar
+    loss's gradient may spend on one chunk's kept logits and a float32 ``dw``."""
     n, h, v = AOT_N, AOT_H, AOT_V
     w_shape = w_shape or (h, v)
     hlo = compiled.as_text()
@@ -484,6 +486,13 @@ def assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w,
     bound = 4 * h * v / vocab_split + 8 * (n / data_split) * h + 64 * 2**20
     if backend == "xla":
         bound += 4 * h * v / vocab_split
+    if backend == "pallas_tpu":
+        from ce_pallas_tpu import kept_logits
+        from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+        budgets = {kept_logits.keep_logits_budget(Target(gen, CHIP_FACTS[gen].num_cores, None)) for gen in ("v5p", "v6e")}
+        assert len(budgets) == 1
+        bound += budgets.pop()
     memory = compiled.memory_analysis()
     assert memory is not None
     temp = memory.temp_size_in_bytes

@@ -151,24 +151,87 @@ def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interp
     assert plan.extra_bytes == 4 * (rows * columns + 256 * 384)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("generation", ["v5e", "v5p"])
-def test_kept_logits_compile_and_hold_only_the_chunk_and_the_float32_dw(generation):
-    """Llama-3 8B's head at 16384 tokens, bf16, compiled for the generation: the kept-logits step holds
-    what the recompute step holds plus at most one chunk's logits, the float32 dw and a bf16 ``dx``
-    (``KeptPlan.extra_bytes + 2NH``), far less than the float32 logits a materialised step holds."""
+def test_the_default_keeps_where_the_budget_allows_and_keeping_pays():
+    """``keep_logits=None``: kept where the extra HBM fits ``min(4 GiB, HBM / 8)`` and the roofline has it
+    faster; the chunk shrinks towards 1024 tokens to fit; one chunk holds no float32 running dw."""
     from ce_core import StatsSpec
-    from ce_pallas_tpu.target import targeting
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+    bf16, spec = jnp.bfloat16, StatsSpec()
+    v5e, v5p, v6e = (Target(gen, CHIP_FACTS[gen].num_cores, None) for gen in ("v5e", "v5p", "v6e"))
+    assert kept_logits.keep_logits_budget(v5e) == 2 * 2**30 and kept_logits.keep_logits_budget(v5p) == 4 * 2**30
+    llama = (16384, 4096, 128256)
+    chosen = kept_logits.choose(*llama, bf16, bf16, spec, v5p)
+    assert chosen is not None and chosen.extra_bytes <= 4 * 2**30
+    kept, recompute = kept_logits.estimated_seconds(chosen, bf16, v5p)
+    assert kept < 0.8 * recompute  # 6NHV against 8NHV, HBM hidden
+    assert kept_logits.choose(*llama, bf16, bf16, spec, v5e) is None  # its float32 dw alone is 2.1 GB > 2 GiB
+    assert kept_logits.choose(*llama, bf16, bf16, spec, v5p, budget_bytes=0) is None
+    assert kept_logits.choose(16384, 8192, 128256, bf16, bf16, spec, v6e) is None  # 70B: 4.2 GB of float32 dw
+    # Gemma-2 2B on v6e: 4096-token chunks would hold 6.1 GiB; 1536-token ones fit the 4 GiB.
+    gemma = kept_logits.choose(16384, 2304, 256000, bf16, bf16, spec, v6e)
+    assert gemma is not None and gemma.chunk < 4096 and gemma.extra_bytes <= 4 * 2**30
+    # A few tokens: the float32 dw's traffic costs more than the recompute's matmuls (v6e's ridge is 560 flop/B).
+    assert kept_logits.choose(256, 4096, 128256, bf16, bf16, spec, v6e) is None
+    one = kept_logits.plan_chunks(1024, 896, 151936, bf16, bf16, spec, v5p)
+    assert one.chunks == 1 and one.extra_bytes == 4 * math.prod(one.logits_shape)
+    assert kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v5e).chunk == 2048  # 2 even chunks
+
+
+def test_the_backend_takes_the_kept_path_by_default_unless_its_budget_is_zero(interpret, monkeypatch):
+    """Through the public API: ``keep_logits=None`` keeps at a small shape (the extra bytes fit and keeping
+    pays), a backend built with ``keep_logits_budget_bytes=0`` recomputes, and ``block_sizes_for`` says which."""
+    from ce_core import Problem, StatsSpec, get_backend, register_backend, unregister_backend
+    from ce_pallas_tpu.backend import PallasTpuBackend
+
+    interpret("v5p")
+    n, h, v = 1024, 256, 4096
+    x, labels, w = _problem(11, n, h, v, "hv", "float32")
+    problem = Problem(n, h, v, x.dtype, w.dtype, StatsSpec())
+    expected = oracle(np.asarray(x), labels, np.asarray(w))
+    called: list = []
+    monkeypatch.setattr(kept_logits, "row_stats_and_grads", functools.partial(_spy, called,
+                                                                               kept_logits.row_stats_and_grads))
+    for backend, keeps in ((get_backend("pallas_tpu"), True), (PallasTpuBackend(keep_logits_budget_bytes=0), False)):
+        said = backend.block_sizes_for(problem).details["keep_logits"]
+        assert said.endswith("bytes extra") if keeps else said == "recompute"
+        register_backend("pallas_tpu", lambda backend=backend: backend, replace=True)
+        called.clear()
+        try:
+            _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=None, options={}, weights=None)
+        finally:
+            unregister_backend("pallas_tpu")
+        assert bool(called) is keeps
+        assert max_rel_error(dx, expected["dx"]) <= TOLERANCES["float32"][1]
+        assert max_rel_error(dw, expected["dw"]) <= TOLERANCES["float32"][1]
+    with pytest.raises(ValueError, match="keep_logits_budget_bytes"):
+        PallasTpuBackend(keep_logits_budget_bytes=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e"])
+def test_the_default_compiles_and_holds_only_the_chunk_and_the_float32_dw(generation):
+    """Llama-3 8B's head at 16384 tokens, bf16, compiled for the generation with the default
+    ``keep_logits=None``: on v5p and v6e it keeps the logits, holding what the recompute step holds plus
+    at most one chunk's logits, the float32 dw and a bf16 ``dx`` (``KeptPlan.extra_bytes + 2NH``), within
+    the budget and far less than the float32 logits a materialised step holds; on v5e (a 2 GiB budget
+    against a 2.1 GB float32 dw) it is the recompute step."""
+    from ce_core import StatsSpec
+    from ce_pallas_tpu.target import current_target, targeting
     from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
 
     n, h, v = 16384, 4096, 128256
     recompute = compile_loss_and_grads(generation, n, h, v, keep_logits=False)
-    kept = compile_loss_and_grads(generation, n, h, v, keep_logits=True)
+    default = compile_loss_and_grads(generation, n, h, v)
     with targeting(generation):
-        plan = kept_logits.plan_chunks(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(keep_logits=True))
-    assert plan.chunks > 1
-    assert recompute.temp_bytes is not None and kept.temp_bytes is not None
-    extra = kept.temp_bytes - recompute.temp_bytes
+        plan = kept_logits.choose(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec())
+        budget = kept_logits.keep_logits_budget(current_target())
+    assert recompute.temp_bytes is not None and default.temp_bytes is not None
+    if generation == "v5e":
+        assert plan is None and default.temp_bytes == recompute.temp_bytes
+        return
+    assert plan is not None and plan.chunks > 1 and plan.extra_bytes <= budget
+    extra = default.temp_bytes - recompute.temp_bytes
     # At least the chunk's logits; at most those, the running dw and a bf16 dx beside the recompute's buffers.
     assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
-    assert kept.temp_bytes < 4 * n * v / 2  # under half the materialised step's float32 logits alone
+    assert default.temp_bytes < 4 * n * v / 2  # under half the materialised step's float32 logits alone

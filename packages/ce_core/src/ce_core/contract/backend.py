@@ -211,6 +211,10 @@ class Backend(abc.ABC):
         Used when the loss is reduced to a scalar: every per-token cotangent is then known at
         forward time, so a backend can form dx and dw in the same pass over each token chunk
         (three matmul passes instead of four). This default differentiates :meth:`row_stats`.
+
+        ``cotangent_fn`` may run collectives over the caller's mesh axes (under a vocab-parallel
+        placement it combines the shards' statistics first): call it on every shard alike, once per
+        token chunk, with the chunk's statistics and ``token_params``'s rows of it.
         """
         def differentiable(x_: jax.Array, w_: jax.Array):
             return _split_undifferentiated(self._stats(x_, w_, labels, spec, row_scale))

@@ -20,6 +20,7 @@ scale as one more ``"tokens"`` input right after the labels, never differentiate
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -154,10 +155,12 @@ class RowStatsAndGradsFn(ShardFn):
     ``cotangent_fn(stats, coefficients)`` gives the cotangents of the statistics (see
     :meth:`ce_core.Backend.row_stats_and_grads`; it sees them without ``max``/``argmax``).
     ``coefficients`` is one ``"tokens"`` array, or (``n_params`` set) that many, which
-    ``cotangent_fn`` then receives as a tuple (the inputs of :func:`ce_core.linear_token_objective`). Without
-    vocab shards the backend forms ``dx`` and ``dw`` in its forward pass (6NHV on backends that fuse).
-    With vocab shards a token's cotangents need the global lse first, so each shard keeps its forward
-    residuals, combines, and then runs its backward pass (8NHV).
+    ``cotangent_fn`` then receives as a tuple (the inputs of :func:`ce_core.linear_token_objective`).
+    The backend forms ``dx`` and ``dw`` in its forward pass (6NHV on backends that fuse). With vocab shards a token's cotangents need the global statistics first: the
+    ``cotangent_fn`` the backend gets combines each chunk's local statistics over the shards
+    (collectives of ``[chunk]``-sized rows) and localizes the cotangents
+    (:func:`_vocab_sharded_cotangents`), so what a backend keeps between its passes (the pallas_tpu kept
+    logits, the xla tokens-outer chunk) survives the collective.
     """
 
     cotangent_fn: CotangentFn
@@ -181,21 +184,22 @@ class RowStatsAndGradsFn(ShardFn):
         v = local_vocab(w, self.spec)
         yf = yf - vocab_offset(axes.vocab, v)
         scale_kw = _scale_kw(self.spec, sf)
-        if not axes.vocab:
-            stats, dx, dw = self.backend.row_stats_and_grads(xf, w_, yf, self.spec, self.cotangent_fn, cf, **scale_kw)
-        else:
-            def differentiable(a: jax.Array, b: jax.Array):
-                full = self.backend.row_stats(a, b, yf, self.spec, **scale_kw)
-                return full._replace(max=None, argmax=None), (full.max, full.argmax)
-
-            local, vjp, (top, index) = jax.vjp(differentiable, xf, w_, has_aux=True)
-            stats = combine_vocab_shards(local._replace(max=top, argmax=index), axes.vocab, v)
-            smooth = stats._replace(max=None, argmax=None)
-            cotangent: Any = localize_cotangent(self.cotangent_fn(smooth, cf), local, smooth)
-            dx, dw = vjp(vary_like(cotangent, local))
+        cotangent_fn = self.cotangent_fn
+        if axes.vocab:  # each chunk's statistics combined over the shards before its cotangents
+            cotangent_fn = functools.partial(_vocab_sharded_cotangents, self.cotangent_fn, axes.vocab, v)
+        stats, dx, dw = self.backend.row_stats_and_grads(xf, w_, yf, self.spec, cotangent_fn, cf, **scale_kw)
+        stats = combine_vocab_shards(stats, axes.vocab, v)
         dx = dx.astype(x.dtype).reshape(x.shape)
         grads = (_sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes))
         return _stats_out(stats, labels.shape) + grads
+
+
+def _vocab_sharded_cotangents(cotangent_fn: CotangentFn, vocab_axes: tuple[str, ...], local_vocab: int,
+                              local: RowStats, params: Any) -> RowStats:
+    """``cotangent_fn`` on one vocab shard: the rows' statistics combined over the shards, their
+    cotangents taken, and mapped back onto this shard's (:func:`ce_core.contract.backend.localize_cotangent`)."""
+    whole = combine_vocab_shards(local, vocab_axes, local_vocab)
+    return vary_like(localize_cotangent(cotangent_fn(whole, params), local, whole), local)
 
 
 def _flat_tokens(values: jax.Array | None) -> jax.Array | None:

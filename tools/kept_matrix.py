@@ -1,0 +1,325 @@
+"""The kept-logits kernels across the model-head matrix, from libtpu's static schedule (no TPU needed).
+
+    uv run python tools/kept_matrix.py kernels GEN [--heads a,b] [--skip-recompute | --only-recompute]
+    uv run python tools/kept_matrix.py materialised GEN --heads a,b --v-small 8192 --tokens 2048,4096
+    uv run python tools/kept_matrix.py table [--format markdown]
+
+``kernels``: per head of ``ce_bench.presets.MODEL_HEADS`` (tied heads in their ``[V, H]`` layout), the
+chunk ``kept_logits.plan_chunks`` picks at N = 4096 and 16384, the kept forward and backward kernels at one
+chunk (``schedule.Job(kernel, chunk, h, v, keep_logits=True)``) and the recompute kernels at full N, all in
+one ``schedule.measure`` call per generation. ``materialised``: ``step.measure_step_ops(gen, "materialised",
+n, h, v_small)`` (the whole value_and_grad step of the materialised baseline) at two token counts above the
+roofline ridge and a reduced vocabulary, to be scaled linearly to the full V. ``table``: the figures.
+Raw records go to docs/notes/data/kept-logits-matrix.json (each command updates its own part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[1] / "docs/notes/data/kept-logits-matrix.json"
+TOKENS = (4096, 16384)
+#: Heads tied to the input embedding: measured in the layout their models store them in (``[V, H]``).
+TIED = {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "gemma2-2b", "gemma2-9b"}
+GENERATIONS = ("v5e", "v5p", "v6e")
+
+
+def heads(selected: str | None) -> list[tuple[str, int, int]]:
+    from ce_bench.presets import MODEL_HEADS
+
+    names = None if not selected else selected.split(",")
+    return [head for head in MODEL_HEADS if names is None or head[0] in names]
+
+
+def layout(name: str) -> str:
+    return "vh" if name in TIED else "hv"
+
+
+def kept_plan(gen: str, n: int, h: int, v: int, w_layout: str):
+    import jax.numpy as jnp
+
+    from ce_core import StatsSpec
+    from ce_pallas_tpu import kept_logits
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+    target = Target(gen, CHIP_FACTS[gen].num_cores, None)
+    spec = StatsSpec(w_layout=w_layout, keep_logits=True)  # the plain mean loss, as the schedule worker builds it
+    return kept_logits.plan_chunks(n, h, v, jnp.bfloat16, jnp.bfloat16, spec, target=target)
+
+
+def load() -> dict:
+    return json.loads(DATA.read_text()) if DATA.exists() else {}
+
+
+def save(data: dict) -> None:
+    DATA.parent.mkdir(parents=True, exist_ok=True)
+    DATA.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+    import platform
+
+    versions = {name: md.version(name) for name in ("jax", "jaxlib", "libtpu", "optax") if _has(name, md)}
+    return {"machine": platform.machine(), "node": platform.node(), "python": platform.python_version(), **versions}
+
+
+def _has(name: str, md) -> bool:
+    try:
+        md.version(name)
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
+def commit() -> str:
+    import subprocess
+
+    root = DATA.parents[3]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "packages/ce_pallas_tpu/src"], cwd=root,
+                           capture_output=True, text=True).stdout
+    return head.strip() + ("+dirty-src" if dirty.strip() else "")
+
+
+def cmd_kernels(args: argparse.Namespace) -> None:
+    from ce_pallas_tpu.tooling import schedule
+
+    gen = args.gen
+    jobs, plans = [], {}
+    for name, h, v in heads(args.heads):
+        lay = layout(name)
+        for n in TOKENS:
+            plan = kept_plan(gen, n, h, v, lay)
+            plans[f"{name}@{n}"] = {"head": name, "n": n, "h": h, "v": v, "w_layout": lay, "chunk": plan.chunk,
+                                    "chunks": plan.chunks, "extra_bytes": plan.extra_bytes,
+                                    "logits_shape": list(plan.logits_shape),
+                                    "running_dw_shape": list(plan.running_dw_shape),
+                                    "forward_tiles": [plan.forward.block_b, plan.forward.block_h, plan.forward.block_v],
+                                    "backward_tiles": [plan.backward.block_b, plan.backward.block_h,
+                                                       plan.backward.block_v],
+                                    "backward_cores": plan.backward.num_cores}
+            kept = [schedule.Job(k, plan.chunk, h, v, w_layout=lay, keep_logits=True) for k in ("forward", "backward")]
+            if not args.only_recompute:
+                jobs += [job for job in kept if job not in jobs]
+    if not args.skip_recompute:
+        for name, h, v in heads(args.heads):
+            jobs += [schedule.Job(k, n, h, v, w_layout=layout(name)) for n in TOKENS for k in ("forward", "backward")]
+    start = time.time()
+    records = schedule.measure(gen, jobs)
+    data = load()
+    data.setdefault("environment", environment())
+    kernels = data.setdefault("kernels", {}).setdefault(gen, [])
+    if not args.only_recompute:  # kept records of an earlier plan (another chunk) are stale
+        current = [dataclasses.asdict(job) for job in jobs]
+        kernels[:] = [old for old in kernels if not old["job"]["keep_logits"] or old["job"] in current]
+    for job, record in zip(jobs, records, strict=True):
+        entry = {"job": dataclasses.asdict(job), **record.to_json()}
+        kernels[:] = [old for old in kernels if old["job"] != entry["job"]] + [entry]
+    data.setdefault("plans", {}).setdefault(gen, {}).update(plans)
+    data.setdefault("runs", []).append({"command": " ".join(sys.argv), "gen": gen, "jobs": len(jobs),
+                                        "wall_s": round(time.time() - start, 1), "commit": commit(),
+                                        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    save(data)
+
+
+def cmd_materialised(args: argparse.Namespace) -> None:
+    from ce_pallas_tpu.tooling.schedule import step
+
+    data = load()
+    data.setdefault("environment", environment())
+    out = data.setdefault("materialised", {}).setdefault(args.gen, [])
+    for name, h, v in heads(args.heads):
+        for n in (int(t) for t in args.tokens.split(",")):
+            start = time.time()
+            try:
+                ops = step.measure_step_ops(args.gen, "materialised", n, h, args.v_small)
+                entry = {"head": name, "n": n, "h": h, "v_small": args.v_small, "v_full": v,
+                         **dataclasses.asdict(ops), "wall_s": round(time.time() - start, 1)}
+            except Exception as error:  # noqa: BLE001 - recorded, the next one goes on
+                entry = {"head": name, "n": n, "h": h, "v_small": args.v_small, "v_full": v,
+                         "error": f"{type(error).__name__}: {str(error)[:300]}", "wall_s": round(time.time() - start, 1)}
+            out[:] = [o for o in out if (o["head"], o["n"], o["v_small"]) != (name, n, args.v_small)] + [entry]
+            save(data)
+            print(f"{args.gen} materialised {name} N={n} V={args.v_small}: "
+                  f"{entry.get('xla_cycles', entry.get('error'))} ({entry['wall_s']} s)", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- figures
+
+def _ms(record: dict) -> float | None:
+    if record.get("error") or record.get("kernel_us") is None:
+        return None
+    return max(record["kernel_us"], record["hbm_floor_us"]) / 1e3
+
+
+def _find(records: list[dict], **job) -> dict | None:
+    for record in records:
+        if all(record["job"].get(key) == value for key, value in job.items()):
+            return record
+    return None
+
+
+def materialised_fit(gen: str, name: str, entries: list[dict], v_small: int | None = None) -> dict | None:
+    """``a + b N`` through the two largest token counts at the reduced V, in ms, scaled to the full V."""
+    from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
+
+    clock = SCHEDULE_CHIPS[gen].clock_hz
+    points = {e["n"]: (e["kernel_cycles"] + e["xla_cycles"]) / clock * 1e3 for e in entries
+              if e["head"] == name and not e.get("error") and (v_small is None or e["v_small"] == v_small)}
+    if len(points) < 2:
+        return None
+    (n0, y0), (n1, y1) = sorted(points.items())[-2:]
+    slope = (y1 - y0) / (n1 - n0)
+    small = next(e for e in entries if e["head"] == name and not e.get("error")
+                 and (v_small is None or e["v_small"] == v_small))
+    return {"intercept_ms": y0 - slope * n0, "slope_ms_per_token": slope, "points_ms": points,
+            "v_small": small["v_small"], "v_full": small["v_full"], "scale": small["v_full"] / small["v_small"]}
+
+
+def default_choice(gen: str, n: int, h: int, v: int, w_layout: str) -> str:
+    """What ``keep_logits=None`` does here (``kept_logits.choose``): ``kept@CHUNK`` or ``recompute``."""
+    import jax.numpy as jnp
+
+    from ce_core import StatsSpec
+    from ce_pallas_tpu import kept_logits
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+    if not hasattr(kept_logits, "choose"):
+        return "-"
+    target = Target(gen, CHIP_FACTS[gen].num_cores, None)
+    plan = kept_logits.choose(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(w_layout=w_layout),
+                              target)
+    return "recompute" if plan is None else f"kept@{plan.chunk}"
+
+
+def rows() -> list[dict]:
+    from ce_pallas_tpu.target import CHIP_FACTS
+    from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
+
+    data = load()
+    out = []
+    for gen in GENERATIONS:
+        records = data.get("kernels", {}).get(gen, [])
+        chip = SCHEDULE_CHIPS[gen]
+        cores = CHIP_FACTS[gen].num_cores
+        peak = chip.bf16_flops * cores
+        mat = data.get("materialised", {}).get(gen, [])
+        for key, plan in data.get("plans", {}).get(gen, {}).items():
+            name, n, h, v, lay, chunk = plan["head"], plan["n"], plan["h"], plan["v"], plan["w_layout"], plan["chunk"]
+            fwd = _find(records, kernel="forward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay)
+            bwd = _find(records, kernel="backward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay)
+            rfwd = _find(records, kernel="forward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
+            rbwd = _find(records, kernel="backward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
+            mxu_ms = 8 * n * h * v / peak * 1e3
+            row = {"gen": gen, "head": name, "n": n, "h": h, "v": v, "w_layout": lay, "chunk": chunk,
+                   "chunks": plan["chunks"], "extra_gib": plan["extra_bytes"] / 2**30, "mxu_8nhv_ms": mxu_ms}
+            fm, bm = (None if r is None else _ms(r) for r in (fwd, bwd))
+            row["kept_fwd_ratio"] = None if fwd is None else fwd.get("ratio")
+            row["kept_bwd_ratio"] = None if bwd is None else bwd.get("ratio")
+            row["kept_errors"] = [r["error"] for r in (fwd, bwd) if r is not None and r.get("error")]
+            hp_vp = math.prod(plan["running_dw_shape"])
+            # XLA around the kept kernels (since 27cad1a the first chunk's backward starts the float32 running
+            # dw and the last writes dw in w's dtype: no zeroing, no slice and cast): per chunk the dx fusion
+            # (the cores' float32 partials read, the bf16 dx piece read and written: cores*4*C*Hp + 4*C*H bytes)
+            # at the core's HBM bandwidth. For reference, what the zeroing (4 Hp Vp written) and the slice and
+            # cast (4 H V read, 2 H V written) cost before that commit.
+            hp = plan["running_dw_shape"][0] if lay == "hv" else plan["running_dw_shape"][1]
+            dw_bytes = 4 * hp_vp + 4 * h * v + 2 * h * v
+            dx_bytes = plan["chunks"] * (plan["backward_cores"] * 4 * chunk * hp + 4 * chunk * h)
+            row["pre_27cad1a_xla_dw_ms"] = dw_bytes / chip.hbm_bytes_per_s * 1e3
+            row["kept_xla_dx_ms"] = dx_bytes / chip.hbm_bytes_per_s * 1e3
+            row["kept_xla_ms"] = row["kept_xla_dx_ms"]
+            # Every chunk is counted at the middle chunks' backward (the float32 dw read and written); the first
+            # skips the read and the last writes 2 bytes instead of 4: at most this much less where HBM-bound.
+            row["first_last_hbm_saving_ms"] = (4 * hp_vp + 2 * h * v) / (chip.hbm_bytes_per_s * cores) * 1e3
+            if fm is not None and bm is not None:
+                row["kept_fwd_ms_chunk"], row["kept_bwd_ms_chunk"] = fm, bm
+                row["kept_bwd_hbm_bound"] = bwd["hbm_floor_us"] > bwd["kernel_us"]
+                row["kept_fwd_hbm_bound"] = fwd["hbm_floor_us"] > fwd["kernel_us"]
+                row["kept_kernels_ms"] = plan["chunks"] * (fm + bm)
+                row["kept_ms"] = row["kept_kernels_ms"] + row["kept_xla_ms"]
+                row["kept_kernels_8nhv"] = row["kept_kernels_ms"] / mxu_ms
+                row["kept_8nhv"] = row["kept_ms"] / mxu_ms
+            rm = [None if r is None else _ms(r) for r in (rfwd, rbwd)]
+            if None not in rm:
+                row["recompute_ms"] = rm[0] + rm[1]
+                row["recompute_8nhv"] = row["recompute_ms"] / mxu_ms
+                if "kept_ms" in row:
+                    row["kept_over_recompute"] = row["kept_ms"] / row["recompute_ms"]
+            row["recompute_errors"] = [r["error"] for r in (rfwd, rbwd) if r is not None and r.get("error")]
+            row["default_choice"] = default_choice(gen, n, h, v, lay)
+            fit = materialised_fit(gen, name, mat)
+            if fit is not None:
+                row["materialised_ms"] = (fit["intercept_ms"] + fit["slope_ms_per_token"] * n) * fit["scale"]
+                row["materialised_8nhv"] = row["materialised_ms"] / mxu_ms
+                row["materialised_fit"] = fit
+                if "kept_ms" in row:
+                    row["kept_over_materialised"] = row["kept_ms"] / row["materialised_ms"]
+            out.append(row)
+    return out
+
+
+def _f(value, digits=2, bold=None) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:,.{digits}f}"
+    return f"**{text}**" if bold is not None and value <= bold else text
+
+
+def cmd_table(args: argparse.Namespace) -> None:
+    table = rows()
+    data = load()
+    data["rows"] = table
+    save(data)
+    from ce_bench.presets import MODEL_HEADS
+
+    order = {name: i for i, (name, _, _) in enumerate(MODEL_HEADS)}
+    table.sort(key=lambda r: (GENERATIONS.index(r["gen"]), order[r["head"]], r["n"]))
+    for gen in GENERATIONS:
+        selected = [r for r in table if r["gen"] == gen]
+        if not selected:
+            continue
+        print(f"\n### {gen}\n")
+        print("| head | N | chunk | kept kernels ms (fwd/bwd ratio) | kept XLA ms | kept ms | kept/8NHV | "
+              "recompute ms | rec/8NHV | materialised ms | mat/8NHV | kept/mat | extra GiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in selected:
+            ratios = "" if r.get("kept_fwd_ratio") is None else f" ({r['kept_fwd_ratio']:.3f}/{r['kept_bwd_ratio']:.3f})"
+            print(f"| {r['head']}{' (vh)' if r['w_layout'] == 'vh' else ''} | {r['n']} | {r['chunk']} "
+                  f"| {_f(r.get('kept_kernels_ms'))}{ratios} | {_f(r['kept_xla_ms'])} | {_f(r.get('kept_ms'))} "
+                  f"| {_f(r.get('kept_8nhv'), 3)} | {_f(r.get('recompute_ms'))} | {_f(r.get('recompute_8nhv'), 3)} "
+                  f"| {_f(r.get('materialised_ms'))} | {_f(r.get('materialised_8nhv'), 3)} "
+                  f"| {_f(r.get('kept_over_materialised'), 2)} | {r['extra_gib']:.2f} |")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    kernels = sub.add_parser("kernels")
+    kernels.add_argument("gen", choices=GENERATIONS)
+    kernels.add_argument("--heads")
+    kernels.add_argument("--skip-recompute", action="store_true")
+    kernels.add_argument("--only-recompute", action="store_true")
+    kernels.set_defaults(fn=cmd_kernels)
+    mat = sub.add_parser("materialised")
+    mat.add_argument("gen", choices=GENERATIONS)
+    mat.add_argument("--heads", required=True)
+    mat.add_argument("--v-small", type=int, default=8192)
+    mat.add_argument("--tokens", default="2048,4096")
+    mat.set_defaults(fn=cmd_materialised)
+    table = sub.add_parser("table")
+    table.set_defaults(fn=cmd_table)
+    args = parser.parse_args(argv)
+    args.fn(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
