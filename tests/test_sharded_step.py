@@ -268,23 +268,27 @@ def assert_per_example_gradients(mode, mesh, grads, x, labels, w):
                                          ("auto_set_mesh", "data_x_vocab"), ("auto_stated", "fsdp")])
 def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
     """Every mode runs the race-checked TPU interpreter per shard (the shard_map a TPU runs); each layout,
-    vocab-parallel and FSDP, under Explicit and Auto axes."""
+    vocab-parallel and FSDP, under Explicit and Auto axes. The scalar loss keeps its logits between the
+    kernels (``keep_logits=True``: at this toy size the plan would recompute) in chunks of 8 tokens, two
+    per shard, so under vocab shards each chunk's statistics are combined over them inside the chunk loop."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
-    from ce_pallas_tpu import ops
-    from ce_pallas_tpu.forward import forward_call
+    from ce_pallas_tpu import kept_logits
 
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
     monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 8)
     jax.clear_caches()  # the default layout of another case may have traced these very kernels
     calls = []
-    original = forward_call  # what ops calls, until patched here
-    monkeypatch.setattr(ops, "forward_call", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    original = kept_logits.row_stats_and_grads
+    monkeypatch.setattr(kept_logits, "row_stats_and_grads",
+                        lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
     x_spec, w_spec, _ = LAYOUTS[layout]
     x, labels, w = random_problem(5, (4, 6), 128, 512)
     specs = stated_specs(mode, x_spec, w_spec)
     def loss_fn(x_, w_):
-        return linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", in_specs=specs, **OPTIONS)
+        return linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", in_specs=specs, keep_logits=True,
+                                    **OPTIONS)
 
     loss, dx, dw, _ = value_grads_and_hlo(mode, make_mesh(mode, (2, 2)), loss_fn, x, w, x_spec, w_spec)
 
@@ -490,7 +494,8 @@ def assert_within_the_auto_axes_bound(compiled, backend, vocab_split, gathers_w,
         from ce_pallas_tpu import kept_logits
         from ce_pallas_tpu.target import CHIP_FACTS, Target
 
-        budgets = {kept_logits.keep_logits_budget(Target(gen, CHIP_FACTS[gen].num_cores, None)) for gen in ("v5p", "v6e")}
+        budgets = {kept_logits.keep_logits_budget(Target(gen, CHIP_FACTS[gen].num_cores, None))
+                   for gen in ("v5p", "v6e")}
         assert len(budgets) == 1
         bound += budgets.pop()
     memory = compiled.memory_analysis()

@@ -2,7 +2,7 @@
 
     uv run python tools/kept_matrix.py kernels GEN [--heads a,b] [--skip-recompute | --only-recompute]
     uv run python tools/kept_matrix.py materialised GEN --heads a,b --v-small 8192 --tokens 2048,4096
-    uv run python tools/kept_matrix.py table [--format markdown]
+    uv run python tools/kept_matrix.py table [--save]
 
 ``kernels``: per head of ``ce_bench.presets.MODEL_HEADS`` (tied heads in their ``[V, H]`` layout), the
 chunk ``kept_logits.plan_chunks`` picks at N = 4096 and 16384, the kept forward and backward kernels at one
@@ -276,8 +276,9 @@ def _f(value, digits=2, bold=None) -> str:
 def cmd_table(args: argparse.Namespace) -> None:
     table = rows()
     data = load()
-    data["rows"] = table
-    save(data)
+    if args.save:  # the derived rows beside the raw records (not while a measurement may be writing the file)
+        data["rows"] = table
+        save(data)
     from ce_bench.presets import MODEL_HEADS
 
     order = {name: i for i, (name, _, _) in enumerate(MODEL_HEADS)}
@@ -288,15 +289,31 @@ def cmd_table(args: argparse.Namespace) -> None:
             continue
         print(f"\n### {gen}\n")
         print("| head | N | chunk | kept kernels ms (fwd/bwd ratio) | kept XLA ms | kept ms | kept/8NHV | "
-              "recompute ms | rec/8NHV | materialised ms | mat/8NHV | kept/mat | extra GiB |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "recompute ms | rec/8NHV | materialised ms | mat/8NHV | kept/mat | extra GiB | default |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in selected:
             ratios = "" if r.get("kept_fwd_ratio") is None else f" ({r['kept_fwd_ratio']:.3f}/{r['kept_bwd_ratio']:.3f})"
             print(f"| {r['head']}{' (vh)' if r['w_layout'] == 'vh' else ''} | {r['n']} | {r['chunk']} "
                   f"| {_f(r.get('kept_kernels_ms'))}{ratios} | {_f(r['kept_xla_ms'])} | {_f(r.get('kept_ms'))} "
                   f"| {_f(r.get('kept_8nhv'), 3)} | {_f(r.get('recompute_ms'))} | {_f(r.get('recompute_8nhv'), 3)} "
                   f"| {_f(r.get('materialised_ms'))} | {_f(r.get('materialised_8nhv'), 3)} "
-                  f"| {_f(r.get('kept_over_materialised'), 2)} | {r['extra_gib']:.2f} |")
+                  f"| {_f(r.get('kept_over_materialised'), 2)} | {r['extra_gib']:.2f} | {r['default_choice']} |")
+    print("\n### materialised step points (ms at the reduced V; fit through the two N; scaled to the full V)\n")
+    print("| gen | head | V small | N: ms | intercept ms | ms / 1k tokens | scale | at N=4096 | at N=16384 | errors |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---|")
+    for gen in GENERATIONS:
+        entries = data.get("materialised", {}).get(gen, [])
+        for name, v_small in sorted({(e["head"], e["v_small"]) for e in entries}):
+            mine = [e for e in entries if e["head"] == name and e["v_small"] == v_small]
+            fit = materialised_fit(gen, name, mine, v_small)
+            errors = "; ".join(f"N={e['n']}: {e.get('error') or e.get('abort')}" for e in mine
+                               if e.get("error") or e.get("abort"))
+            pts = ", ".join(f"{n}: {ms:.3f}" for n, ms in sorted(fit["points_ms"].items())) if fit else "-"
+            at = ["-", "-"] if fit is None else [
+                f"{(fit['intercept_ms'] + fit['slope_ms_per_token'] * n) * fit['scale']:.2f}" for n in TOKENS]
+            print(f"| {gen} | {name} | {v_small} | {pts} | {_f(fit and fit['intercept_ms'], 3)} "
+                  f"| {_f(fit and fit['slope_ms_per_token'] * 1e3, 3)} | {_f(fit and fit['scale'], 2)} | {at[0]} "
+                  f"| {at[1]} | {errors[:200] or '-'} |")
 
 
 def main(argv: list[str]) -> int:
@@ -315,6 +332,7 @@ def main(argv: list[str]) -> int:
     mat.add_argument("--tokens", default="2048,4096")
     mat.set_defaults(fn=cmd_materialised)
     table = sub.add_parser("table")
+    table.add_argument("--save", action="store_true")
     table.set_defaults(fn=cmd_table)
     args = parser.parse_args(argv)
     args.fn(args)

@@ -7,22 +7,24 @@ For a loss reduced to a scalar, every token's cotangents are known as soon as it
 1. the forward kernel computes the chunk's statistics and also writes its raw logits ``x @ w``
    (float32, before the cap and the row scale) to an HBM buffer of that chunk only
    (``ForwardConfig.keep_logits``);
-2. XLA merges the cores' statistics and forms their cotangents (``cotangent_fn``, ``[chunk]``-sized);
+2. XLA merges the cores' statistics and forms their cotangents (``cotangent_fn``, ``[chunk]``-sized; under
+   a vocab-split placement it combines the chunk's statistics over the shards first, see
+   :mod:`ce_core.sharded.shard_ops`);
 3. the backward kernel reads the kept logits instead of recomputing them (``BackwardConfig.kept_logits``),
    forms ``delta``, holds the chunk's ``x`` and float32 ``dx`` in VMEM, and adds its ``dw`` onto a float32
-   running sum, whose blocks DMAs bring into two VMEM slots and write back in place.
+   running sum, whose blocks DMAs bring into two VMEM slots and write back in place. The first chunk
+   starts that sum (its slots start at zero, nothing is read) and the last one writes the finished ``dw``
+   in ``w``'s dtype and shape, as the recompute kernel does; one chunk does both, with no running sum.
 
 So the MXU runs ``x @ w`` once per token (forward) and the two gradient products (backward), and the
-extra memory is the float32 ``dw`` (padded to whole vocab blocks) and one chunk's logits. The
-chunk's rows are a whole number of both kernels' token blocks where ``N`` allows; the last chunk
-ends at ``N`` and may overlap the one before, its overlapped rows given zero cotangents (they add
-nothing) and their statistics rewritten with the same values.
+extra memory is one chunk's logits and, over several chunks, the float32 ``dw`` (padded to whole vocab
+blocks). ``N`` is split into chunks of equal size, a whole number of both kernels' token blocks where
+``N`` allows; the last chunk ends at ``N`` and may overlap the one before, its overlapped rows given
+zero cotangents (they add nothing) and their statistics rewritten with the same values.
 
 With ``keep_logits=None`` the backend keeps the logits where :func:`choose` says so: the extra memory
 fits :func:`keep_logits_budget` (``min(4 GiB, HBM / 8)``) and a roofline estimate of both paths
-(:func:`estimated_seconds`) has the kept one faster. Where the path does not apply (the placement splits
-the vocabulary, whose global lse is known only after a collective),
-:class:`ce_pallas_tpu.backend.PallasTpuBackend` keeps the recompute.
+(:func:`estimated_seconds`) has the kept one faster.
 """
 
 from __future__ import annotations

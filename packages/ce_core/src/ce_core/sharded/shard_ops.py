@@ -156,11 +156,11 @@ class RowStatsAndGradsFn(ShardFn):
     :meth:`ce_core.Backend.row_stats_and_grads`; it sees them without ``max``/``argmax``).
     ``coefficients`` is one ``"tokens"`` array, or (``n_params`` set) that many, which
     ``cotangent_fn`` then receives as a tuple (the inputs of :func:`ce_core.linear_token_objective`).
-    The backend forms ``dx`` and ``dw`` in its forward pass (6NHV on backends that fuse). With vocab shards a token's cotangents need the global statistics first: the
-    ``cotangent_fn`` the backend gets combines each chunk's local statistics over the shards
-    (collectives of ``[chunk]``-sized rows) and localizes the cotangents
-    (:func:`_vocab_sharded_cotangents`), so what a backend keeps between its passes (the pallas_tpu kept
-    logits, the xla tokens-outer chunk) survives the collective.
+    The backend forms ``dx`` and ``dw`` in its forward pass (6NHV on backends that fuse). With vocab
+    shards a token's cotangents need the global statistics first: the ``cotangent_fn`` the backend gets
+    combines each chunk's local statistics over the shards (collectives of ``[chunk]``-sized rows) and
+    localizes the cotangents (:func:`_vocab_sharded_cotangents`), so what a backend keeps between its
+    passes (the pallas_tpu kept logits, the xla tokens-outer chunk) survives the collective.
     """
 
     cotangent_fn: CotangentFn
