@@ -51,6 +51,9 @@ from ce_pallas_tpu.target import Target, current_target
 CHUNK_TOKENS: int | None = None
 #: Bounds of the rule's chunk: fewer rows make each step's matmuls short; more hold more logits.
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 1024, 4096
+#: The fewest tokens per chunk the default shrinks a chunk to, to fit its budget (the roofline then says
+#: whether such chunks still pay: their float32 ``dw`` traffic is a larger share of their work).
+MIN_BUDGET_CHUNK_TOKENS = 512
 #: The most extra HBM the default (``keep_logits=None``) lets the path hold, whatever the chip...
 KEEP_LOGITS_BUDGET_CAP_BYTES = 4 * 2**30
 #: ...and at most this fraction of the chip's HBM (an eighth: 2 GiB on a v5e, 4 GiB from 32 GiB up).
@@ -181,22 +184,30 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
     return kept, recompute
 
 
+def budgeted_plan(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
+                  budget_bytes: int) -> KeptPlan:
+    """:func:`plan_chunks`'s plan, its chunk shrunk (towards :data:`MIN_BUDGET_CHUNK_TOKENS`) where its
+    :attr:`KeptPlan.extra_bytes` exceed ``budget_bytes`` and fewer tokens per chunk would fit."""
+    plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target)
+    if plan.extra_bytes > budget_bytes:
+        logits_room = budget_bytes - 4 * math.prod(plan.running_dw_shape)
+        fitting = logits_room // (4 * plan.logits_shape[1]) // 512 * 512
+        if MIN_BUDGET_CHUNK_TOKENS <= fitting < plan.chunk:
+            plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target, chunk_tokens=fitting)
+    return plan
+
+
 def choose(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
            target: Target | None = None, budget_bytes: int | None = None) -> KeptPlan | None:
     """The kept-logits plan for a scalar loss's gradient under ``keep_logits=None``, or ``None`` for the
     recompute: kept where its :attr:`KeptPlan.extra_bytes` fit ``budget_bytes`` (default
-    :func:`keep_logits_budget`; the chunk shrinks towards :data:`MIN_CHUNK_TOKENS` to fit) and
+    :func:`keep_logits_budget`; the chunk shrinks to fit, :func:`budgeted_plan`) and
     :func:`estimated_seconds` has it faster."""
     target = current_target() if target is None else target
     budget = keep_logits_budget(target) if budget_bytes is None else budget_bytes
     if n == 0:
         return None
-    plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target)
-    if plan.extra_bytes > budget and plan.chunks > 1:  # fewer tokens per chunk, down to 1024, may fit
-        logits_room = budget - 4 * math.prod(plan.running_dw_shape)
-        fitting = logits_room // (4 * plan.logits_shape[1]) // 512 * 512
-        if MIN_CHUNK_TOKENS <= fitting < plan.chunk:
-            plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target, chunk_tokens=fitting)
+    plan = budgeted_plan(n, h, v, x_dtype, w_dtype, spec, target, budget)
     if plan.extra_bytes > budget:
         return None
     kept, recompute = estimated_seconds(plan, w_dtype, target)
