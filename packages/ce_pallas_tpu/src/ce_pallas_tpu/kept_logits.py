@@ -234,12 +234,14 @@ def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec
     """Both kernels' configs and the chunk: the largest chunk (from ``chunk`` down, by 512 tokens to 1024,
     then halving) whose backward fits VMEM with vocab blocks of at least :data:`PREFERRED_BLOCK_V_WIDTHS`
     MXU widths, else ``chunk`` with narrower ones."""
+    explicit = spec.block_sizes is not None and any(
+        size is not None for size in (spec.block_sizes.b_block_size, spec.block_sizes.v_block_size))
     for floor in (PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side, 256):
         size = chunk
         while True:
             base = make_plan(size, h, v, x_dtype, w_dtype, spec, target)
             shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
-            backward = _fit_backward(base, shape, budget, floor)
+            backward = _fit_backward(base, shape, budget, floor, explicit)
             if _backward_need(backward, shape) <= budget:
                 return _fit_forward(base, shape, target, budget), backward, size
             if size <= MIN_FITTED_CHUNK:
@@ -247,7 +249,7 @@ def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec
             size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
     base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
     shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
-    return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256), chunk
+    return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256, explicit), chunk
 
 
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int) -> ForwardConfig:
@@ -272,10 +274,43 @@ def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     return recompute - blocked + resident + logits + 4 * blocks
 
 
-def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256) -> BackwardConfig:
+#: The kept backward's largest default tiles: its ``x`` and ``dx`` stay in VMEM, so a step's token block
+#: can be large, and a larger step leaves less of itself outside the MXU (v5p, Qwen2.5-0.5B's tied head,
+#: 1024-token chunks: the recompute kernel's tiles, 256 x 512 in 128-row hidden chunks, 1.485 of the
+#: step's MXU minimum; 1024 x 1024 over the whole hidden size 1.098, 1024 x 2048 1.062; Llama-3's head,
+#: 512-token chunks: 256 x 512 1.084, 512 x 512 1.059).
+KEPT_MAX_BLOCK_B, KEPT_MAX_BLOCK_V = 1024, 2048
+
+
+def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256,
+                  explicit: bool = False) -> BackwardConfig:
+    """The kept backward's tiles: explicit ones as given (vocab block halved to fit); by default the
+    products over the whole hidden size, the largest token block that divides the chunk (at most
+    :data:`KEPT_MAX_BLOCK_B`) and the widest vocab block (at most :data:`KEPT_MAX_BLOCK_V`) whose VMEM fits:
+    the vocab block narrowed first, down to ``floor``, then the token block, down to 256."""
     cfg = dataclasses.replace(base.backward, kept_logits=True)
+    if not explicit:
+        cfg = _widest_fitting(cfg, shape, budget, floor)
     while _backward_need(cfg, shape) > budget and cfg.block_v > floor and cfg.block_v % 256 == 0:
         cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
+    return cfg
+
+
+def _widest_fitting(cfg: BackwardConfig, shape: cost_model.Shape, budget: int, floor: int) -> BackwardConfig:
+    lane = max(cfg.mxu_side, 128)
+    widest = min(KEPT_MAX_BLOCK_V, round_up(cfg.v, lane))
+    token_blocks = [b for b in (1024, 768, 512, 384, 256) if b <= KEPT_MAX_BLOCK_B and cfg.n % b == 0]
+    token_blocks = token_blocks or [cfg.block_b]
+    for block_b in token_blocks:
+        block_v = widest
+        while True:
+            trial = dataclasses.replace(cfg, block_b=block_b, block_h=cfg.hp, block_v=block_v,
+                                        num_cores=min(cfg.num_cores, cdiv(cfg.v, block_v)))
+            if _backward_need(trial, shape) <= budget:
+                return trial
+            if block_v <= max(floor, lane) or block_v % (2 * lane):
+                break
+            block_v //= 2
     return cfg
 
 
