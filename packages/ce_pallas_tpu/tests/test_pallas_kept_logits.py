@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
-from ce_core import BlockSizes, linear_cross_entropy
+from ce_core import BlockSizes, StatsSpec, linear_cross_entropy
 from ce_core.extend import TOLERANCES, max_rel_error, oracle, random_problem
 from ce_pallas_tpu import kept_logits
 
@@ -98,6 +98,26 @@ def test_kept_logits_matches_the_oracle(interpret, monkeypatch, target, layout, 
 def _spy(called: list, function, *args, **kwargs):
     called.append(True)
     return function(*args, **kwargs)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_the_kept_backwards_default_tiles_match_the_oracle(interpret, monkeypatch, layout):
+    """The kept backward's own default tiles (the whole hidden size per product, a token block that divides
+    the chunk, a wide vocab block), ragged in V and H, over three chunks and two cores, race-checked."""
+    interpret("v5p")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 256)
+    n, h, v = 600, 200, 3000
+    x, labels, w = _problem(17, n, h, v, layout, "float32")
+    plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec(w_layout=layout))
+    assert plan.chunks == 3 and plan.backward.block_h == plan.backward.hp and plan.backward.block_b == 256
+    assert plan.backward.nv == 2 and plan.backward.num_cores == 2
+    _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=dict(w_layout=layout), weights=None)
+    expected = _oracle(x, labels, w, layout, {}, None, 1.0)
+    assert max_rel_error(dx, expected["dx"]) <= TOLERANCES["float32"][1]
+    assert max_rel_error(dw, expected["dw"]) <= TOLERANCES["float32"][1]
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found
 
 
 def test_argmax_comes_out_of_the_kept_logits_path(interpret, monkeypatch):
