@@ -166,22 +166,26 @@ def _find(records: list[dict], **job) -> dict | None:
     return None
 
 
+def point_ms(gen: str, e: dict) -> float:
+    """One compiled materialised step's ms. The label pick offloaded to the SparseCore
+    (gather_offload_async_start/update/done) has no static profile; step.py charges each of the three ops
+    its operands' bytes, i.e. a whole float32 [N, V] read, for a gather of N values: those estimates are
+    dropped here (the raw sum stays in the record). Other estimated ops (a matmul fusion the profiler
+    aborted on: its flops at the peak) are kept."""
+    from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
+
+    total = e["kernel_cycles"] + e["xla_cycles"]
+    if e.get("estimated_ops") and all(op.split(" ")[0].startswith("gather_offload") for op in e["estimated_ops"]):
+        total -= e["estimated_cycles"]
+    return total / SCHEDULE_CHIPS[gen].clock_hz * 1e3
+
+
 def materialised_fit(gen: str, name: str, entries: list[dict], v_small: int | None = None) -> dict | None:
     """``a + b N`` through the two largest token counts at the reduced V, in ms, scaled to the full V."""
     from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
 
     clock = SCHEDULE_CHIPS[gen].clock_hz
-
-    def cycles(e: dict) -> float:
-        # The label pick offloaded to the SparseCore (gather_offload_async_start/update/done) has no static
-        # profile; step.py charges each of the three ops its operands' bytes, i.e. a whole float32 [N, V]
-        # read, for a gather of N values. Those estimates are dropped here (the raw sum stays in the record).
-        total = e["kernel_cycles"] + e["xla_cycles"]
-        if e.get("estimated_ops") and all(op.split(" ")[0].startswith("gather_offload") for op in e["estimated_ops"]):
-            total -= e["estimated_cycles"]
-        return total
-
-    points = {e["n"]: cycles(e) / clock * 1e3 for e in entries
+    points = {e["n"]: point_ms(gen, e) for e in entries
               if e["head"] == name and not e.get("error") and (v_small is None or e["v_small"] == v_small)}
     raw = {e["n"]: (e["kernel_cycles"] + e["xla_cycles"]) / clock * 1e3 for e in entries
            if e["head"] == name and not e.get("error") and (v_small is None or e["v_small"] == v_small)}
@@ -209,6 +213,34 @@ def default_choice(gen: str, n: int, h: int, v: int, w_layout: str) -> str:
     plan = kept_logits.choose(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(w_layout=w_layout),
                               target)
     return "recompute" if plan is None else f"kept@{plan.chunk}"
+
+
+def materialised_model(gen: str, name: str, entries: list[dict]) -> dict | None:
+    """``T(N, V) = a + b N + c V + d N V`` (ms) through every point of the head (least squares; exact on a
+    2 x 2 grid), where the points span two N and two V: the ``[N, H]`` and ``[N]`` work (``b N``) and the
+    fixed part (``a``) are then not scaled with V. None with fewer."""
+    import numpy as np
+
+    mine = [e for e in entries if e["head"] == name and not e.get("error")]
+    # The 2 x 2 grid: the two largest V with the same two largest N (other points are checks, not fitted).
+    by_v = {}
+    for e in mine:
+        by_v.setdefault(e["v_small"], {})[e["n"]] = e
+    grids = [(v, tuple(sorted(ns)[-2:])) for v, ns in by_v.items() if len(ns) >= 2]
+    common = [g for g in grids if sum(1 for other in grids if other[1] == g[1]) >= 2]
+    if len(common) < 2:
+        return None
+    common.sort()
+    (v0, ns), (v1, _) = [g for g in common if g[1] == common[-1][1]][-2:]
+    mine = [by_v[v][n] for v in (v0, v1) for n in ns]
+    ms = {(e["n"], e["v_small"]): point_ms(gen, e) for e in mine}
+    keys = sorted(ms)
+    a = np.array([[1.0, n, v, n * v] for n, v in keys])
+    y = np.array([ms[k] for k in keys])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    residual = max(abs(float(a[i] @ coef) - y[i]) / y[i] for i in range(len(keys)))
+    return {"coef_a_b_c_d": [float(c) for c in coef], "points_ms": {f"{n}x{v}": ms[(n, v)] for n, v in keys},
+            "max_residual": residual, "v_full": mine[0]["v_full"]}
 
 
 def rows() -> list[dict]:
@@ -267,8 +299,25 @@ def rows() -> list[dict]:
                     row["kept_over_recompute"] = row["kept_ms"] / row["recompute_ms"]
             row["recompute_errors"] = [r["error"] for r in (rfwd, rbwd) if r is not None and r.get("error")]
             row["default_choice"] = default_choice(gen, n, h, v, lay)
-            fit = materialised_fit(gen, name, mat)
-            if fit is not None:
+            model = materialised_model(gen, name, mat)
+            v_used = sorted({e["v_small"] for e in mat if e["head"] == name and not e.get("error")})
+            fit = None
+            for v_small in reversed(v_used):  # the single-V fallback: the largest V with two N
+                fit = materialised_fit(gen, name, mat, v_small)
+                if fit is not None:
+                    break
+            if model is not None:
+                a, b, c, d = model["coef_a_b_c_d"]
+                row["materialised_ms"] = a + b * n + c * v + d * n * v
+                row["materialised_method"] = f"bilinear N,V ({len(model['points_ms'])} points, residual {model['max_residual']:.3f})"
+                row["materialised_model"] = model
+                if fit is not None:
+                    row["materialised_single_v_ms"] = (fit["intercept_ms"] + fit["slope_ms_per_token"] * n) * fit["scale"]
+                row["materialised_8nhv"] = row["materialised_ms"] / mxu_ms
+                if "kept_ms" in row:
+                    row["kept_over_materialised"] = row["kept_ms"] / row["materialised_ms"]
+            elif fit is not None:
+                row["materialised_method"] = f"V={fit['v_small']} scaled x{fit['scale']:.2f}"
                 row["materialised_ms"] = (fit["intercept_ms"] + fit["slope_ms_per_token"] * n) * fit["scale"]
                 row["materialised_8nhv"] = row["materialised_ms"] / mxu_ms
                 row["materialised_fit"] = fit
@@ -318,14 +367,15 @@ def cmd_table(args: argparse.Namespace) -> None:
         for name, v_small in sorted({(e["head"], e["v_small"]) for e in entries}):
             mine = [e for e in entries if e["head"] == name and e["v_small"] == v_small]
             fit = materialised_fit(gen, name, mine, v_small)
-            errors = "; ".join(f"N={e['n']}: {e.get('error') or e.get('abort')}" for e in mine
-                               if e.get("error") or e.get("abort"))
+            errors = "; ".join(f"N={e['n']}: " + (f"error {e['error'][:60]}" if e.get("error") else
+                                                  f"abort, {', '.join(e.get('estimated_ops') or [])} estimated")
+                               for e in mine if e.get("error") or e.get("abort"))
             pts = ", ".join(f"{n}: {ms:.3f}" for n, ms in sorted(fit["points_ms"].items())) if fit else "-"
             at = ["-", "-"] if fit is None else [
                 f"{(fit['intercept_ms'] + fit['slope_ms_per_token'] * n) * fit['scale']:.2f}" for n in TOKENS]
             print(f"| {gen} | {name} | {v_small} | {pts} | {_f(fit and fit['intercept_ms'], 3)} "
                   f"| {_f(fit and fit['slope_ms_per_token'] * 1e3, 3)} | {_f(fit and fit['scale'], 2)} | {at[0]} "
-                  f"| {at[1]} | {errors[:200] or '-'} |")
+                  f"| {at[1]} | {errors or '-'} |")
 
 
 def main(argv: list[str]) -> int:

@@ -193,6 +193,9 @@ def test_the_default_keeps_where_the_budget_allows_and_keeping_pays():
     assert gemma is not None and gemma.chunk < 4096 and gemma.extra_bytes <= 4 * 2**30
     # A few tokens: the float32 dw's traffic costs more than the recompute's matmuls (v6e's ridge is 560 flop/B).
     assert kept_logits.choose(256, 4096, 128256, bf16, bf16, spec, v6e) is None
+    # A narrow head on v6e: the forward's float32 logits cannot hide under its matmuls (H < 2 x 560).
+    assert kept_logits.choose(16384, 896, 151936, bf16, bf16, StatsSpec(w_layout="vh"), v6e) is None
+    assert kept_logits.choose(16384, 896, 151936, bf16, bf16, StatsSpec(w_layout="vh"), v5p) is not None
     one = kept_logits.plan_chunks(1024, 896, 151936, bf16, bf16, spec, v5p)
     assert one.chunks == 1 and one.extra_bytes == 4 * math.prod(one.logits_shape)
     assert kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v5e).chunk == 2048  # 2 even chunks
@@ -205,7 +208,7 @@ def test_the_backend_takes_the_kept_path_by_default_unless_its_budget_is_zero(in
     from ce_pallas_tpu.backend import PallasTpuBackend
 
     interpret("v5p")
-    n, h, v = 1024, 256, 4096
+    n, h, v = 1024, 384, 4096  # H past twice v5p's flops per byte (166): the forward's logits hide
     x, labels, w = _problem(11, n, h, v, "hv", "float32")
     problem = Problem(n, h, v, x.dtype, w.dtype, StatsSpec())
     expected = oracle(np.asarray(x), labels, np.asarray(w))

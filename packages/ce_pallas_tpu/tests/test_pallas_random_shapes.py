@@ -90,10 +90,16 @@ def hbm_bound(generation: str, n: int, h: int, v: int) -> int:
     """What the design may hold, at the hidden size padded to 128 (``Hp``): two float32 ``[V, Hp]``
     arrays (dw's accumulation and one copy), a float32 ``[N, Hp]`` dx partial per TensorCore plus the
     summed dx, and 16 per-token ``[N, 1]`` float32 columns, each padded to 128 lanes in HBM. Never the
-    ``[N, V]`` logits (``4NV`` bytes: far above this at every shape drawn here)."""
+    ``[N, V]`` logits (``4NV`` bytes: far above this at every shape drawn here); plus the keep-logits
+    budget of the generation, which a scalar loss's gradient may spend on one chunk's kept logits and a
+    float32 ``dw`` (``ce_pallas_tpu.kept_logits``)."""
+    from ce_pallas_tpu import kept_logits
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
     hp = -(-h // 128) * 128
     cores = 2 if generation == "v5p" else 1
-    return 2 * 4 * hp * v + (cores + 1) * 4 * n * hp + 16 * 512 * n
+    budget = kept_logits.keep_logits_budget(Target(generation, CHIP_FACTS[generation].num_cores, None))
+    return 2 * 4 * hp * v + (cores + 1) * 4 * n * hp + 16 * 512 * n + budget
 
 
 def _compile(problem: RandomProblem):
