@@ -142,9 +142,10 @@ def cmd_materialised(args: argparse.Namespace) -> None:
                 ops = step.measure_step_ops(args.gen, "materialised", n, h, args.v_small)
                 entry = {"head": name, "n": n, "h": h, "v_small": args.v_small, "v_full": v,
                          **dataclasses.asdict(ops), "wall_s": round(time.time() - start, 1)}
-            except Exception as error:  # noqa: BLE001 - recorded, the next one goes on
+            except Exception as error:  # recorded, the next one goes on
                 entry = {"head": name, "n": n, "h": h, "v_small": args.v_small, "v_full": v,
-                         "error": f"{type(error).__name__}: {str(error)[:300]}", "wall_s": round(time.time() - start, 1)}
+                         "error": f"{type(error).__name__}: {str(error)[:300]}",
+                         "wall_s": round(time.time() - start, 1)}
             out[:] = [o for o in out if (o["head"], o["n"], o["v_small"]) != (name, n, args.v_small)] + [entry]
             save(data)
             print(f"{args.gen} materialised {name} N={n} V={args.v_small}: "
@@ -255,7 +256,7 @@ def rows() -> list[dict]:
         cores = CHIP_FACTS[gen].num_cores
         peak = chip.bf16_flops * cores
         mat = data.get("materialised", {}).get(gen, [])
-        for key, plan in data.get("plans", {}).get(gen, {}).items():
+        for plan in data.get("plans", {}).get(gen, {}).values():
             name, n, h, v, lay, chunk = plan["head"], plan["n"], plan["h"], plan["v"], plan["w_layout"], plan["chunk"]
             fwd = _find(records, kernel="forward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay)
             bwd = _find(records, kernel="backward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay)
@@ -283,7 +284,7 @@ def rows() -> list[dict]:
             # Every chunk is counted at the middle chunks' backward (the float32 dw read and written); the first
             # skips the read and the last writes 2 bytes instead of 4: at most this much less where HBM-bound.
             row["first_last_hbm_saving_ms"] = (4 * hp_vp + 2 * h * v) / (chip.hbm_bytes_per_s * cores) * 1e3
-            if fm is not None and bm is not None:
+            if fm is not None and bm is not None and fwd is not None and bwd is not None:
                 row["kept_fwd_ms_chunk"], row["kept_bwd_ms_chunk"] = fm, bm
                 row["kept_bwd_hbm_bound"] = bwd["hbm_floor_us"] > bwd["kernel_us"]
                 row["kept_fwd_hbm_bound"] = fwd["hbm_floor_us"] > fwd["kernel_us"]
@@ -291,9 +292,9 @@ def rows() -> list[dict]:
                 row["kept_ms"] = row["kept_kernels_ms"] + row["kept_xla_ms"]
                 row["kept_kernels_8nhv"] = row["kept_kernels_ms"] / mxu_ms
                 row["kept_8nhv"] = row["kept_ms"] / mxu_ms
-            rm = [None if r is None else _ms(r) for r in (rfwd, rbwd)]
-            if None not in rm:
-                row["recompute_ms"] = rm[0] + rm[1]
+            rm_fwd, rm_bwd = (None if r is None else _ms(r) for r in (rfwd, rbwd))
+            if rm_fwd is not None and rm_bwd is not None:
+                row["recompute_ms"] = rm_fwd + rm_bwd
                 row["recompute_8nhv"] = row["recompute_ms"] / mxu_ms
                 if "kept_ms" in row:
                     row["kept_over_recompute"] = row["kept_ms"] / row["recompute_ms"]
@@ -309,10 +310,12 @@ def rows() -> list[dict]:
             if model is not None:
                 a, b, c, d = model["coef_a_b_c_d"]
                 row["materialised_ms"] = a + b * n + c * v + d * n * v
-                row["materialised_method"] = f"bilinear N,V ({len(model['points_ms'])} points, residual {model['max_residual']:.3f})"
+                points, residual = len(model["points_ms"]), model["max_residual"]
+                row["materialised_method"] = f"bilinear N,V ({points} points, residual {residual:.3f})"
                 row["materialised_model"] = model
                 if fit is not None:
-                    row["materialised_single_v_ms"] = (fit["intercept_ms"] + fit["slope_ms_per_token"] * n) * fit["scale"]
+                    single = fit["intercept_ms"] + fit["slope_ms_per_token"] * n
+                    row["materialised_single_v_ms"] = single * fit["scale"]
                 row["materialised_8nhv"] = row["materialised_ms"] / mxu_ms
                 if "kept_ms" in row:
                     row["kept_over_materialised"] = row["kept_ms"] / row["materialised_ms"]
@@ -353,7 +356,8 @@ def cmd_table(args: argparse.Namespace) -> None:
               "recompute ms | rec/8NHV | materialised ms | mat/8NHV | kept/mat | extra GiB | default |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in selected:
-            ratios = "" if r.get("kept_fwd_ratio") is None else f" ({r['kept_fwd_ratio']:.3f}/{r['kept_bwd_ratio']:.3f})"
+            fwd_bwd = (r.get("kept_fwd_ratio"), r.get("kept_bwd_ratio"))
+            ratios = "" if fwd_bwd[0] is None else f" ({fwd_bwd[0]:.3f}/{fwd_bwd[1]:.3f})"
             print(f"| {r['head']}{' (vh)' if r['w_layout'] == 'vh' else ''} | {r['n']} | {r['chunk']} "
                   f"| {_f(r.get('kept_kernels_ms'))}{ratios} | {_f(r['kept_xla_ms'])} | {_f(r.get('kept_ms'))} "
                   f"| {_f(r.get('kept_8nhv'), 3)} | {_f(r.get('recompute_ms'))} | {_f(r.get('recompute_8nhv'), 3)} "

@@ -216,7 +216,9 @@ def test_the_backend_takes_the_kept_path_by_default_unless_its_budget_is_zero(in
     monkeypatch.setattr(kept_logits, "row_stats_and_grads", functools.partial(_spy, called,
                                                                                kept_logits.row_stats_and_grads))
     for backend, keeps in ((get_backend("pallas_tpu"), True), (PallasTpuBackend(keep_logits_budget_bytes=0), False)):
-        said = backend.block_sizes_for(problem).details["keep_logits"]
+        report = backend.block_sizes_for(problem)
+        assert report is not None
+        said = report.details["keep_logits"]
         assert said.endswith("bytes extra") if keeps else said == "recompute"
         register_backend("pallas_tpu", lambda backend=backend: backend, replace=True)
         called.clear()
