@@ -147,6 +147,10 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
             chunk = balanced
             forward = dataclasses.replace(forward, n=chunk)
             backward = dataclasses.replace(backward, n=chunk)
+    # The kept logits are an array of their own, whose token blocks must be whole sublane tiles (a block
+    # equal to the array's rows would do, but both kernels' blocks cannot always be): rows past N are masked.
+    forward, backward = (dataclasses.replace(cfg, block_b=round_up(cfg.block_b, 16)) if cfg.block_b % 16 else cfg
+                         for cfg in (forward, backward))
     rows = round_up(max(forward.padded_n, backward.padded_n), math.lcm(forward.block_b, backward.block_b))
     columns = max(forward.num_cores * forward.nv_per_core * forward.block_v,
                   backward.num_cores * backward.nv_per_core * backward.block_v)
