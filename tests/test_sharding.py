@@ -213,7 +213,8 @@ def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
     memory = compiled.memory_analysis()
     assert memory is not None
     temp = memory.temp_size_in_bytes
-    assert temp <= 4 * h * vocab + 8 * tokens * h  # pallas_tpu's bound: one f32 dw, two f32 dx
+    # pallas_tpu's bound: one f32 dw, two f32 dx, and the keep-logits budget the default may spend (4 GiB)
+    assert temp <= 4 * h * vocab + 8 * tokens * h + 4 * 2**30
     assert temp < 4 * tokens * vocab  # less than one f32 copy of this device's logits
 
 

@@ -32,4 +32,6 @@ def test_tied_head_for_a_tpu_costs_what_an_untied_one_does(tmp_path: Path) -> No
     untied, tied = records["untied"]["temp_bytes"], records["vh"]["temp_bytes"]
     assert abs(tied - untied) <= max(0.05 * untied, 8 * 2**20)
     assert records["vh"]["head_copies"] == 0
-    assert records["transposed"]["temp_bytes"] > 10 * untied  # what w_layout="vh" saves
+    # What w_layout="vh" saves: the transposed table's copy (the default may keep logits on both, so the
+    # ratio of the recompute-only figures, over 10x, is no longer the measure).
+    assert records["transposed"]["head_copies"] > 0 and records["transposed"]["temp_bytes"] > untied

@@ -113,11 +113,17 @@ class KeptPlan:
         return (dataclasses.replace(b, dw_from_running=False), b, dataclasses.replace(b, dw_to_running=False))
 
     @property
+    def logits_buffers(self) -> int:
+        """Kept-logits buffers XLA may hold at once: the first and the last chunk run outside the loop, and
+        their buffers are not always shared with the loop's (v5e, 3 chunks: three buffers, measured)."""
+        return 1 if self.chunks == 1 else 3
+
+    @property
     def extra_bytes(self) -> int:
-        """HBM this path holds beyond the recompute path's: one chunk's logits and (over several chunks)
-        the float32 running dw."""
+        """HBM this path may hold beyond the recompute path's: the chunks' kept logits (:attr:`logits_buffers`)
+        and (over several chunks) the float32 running dw."""
         running = math.prod(self.running_dw_shape) if self.chunks > 1 else 0
-        return 4 * (math.prod(self.logits_shape) + running)
+        return 4 * (self.logits_buffers * math.prod(self.logits_shape) + running)
 
 
 def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
@@ -149,8 +155,10 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
             backward = dataclasses.replace(backward, n=chunk)
     # The kept logits are an array of their own, whose token blocks must be whole sublane tiles (a block
     # equal to the array's rows would do, but both kernels' blocks cannot always be): rows past N are masked.
-    forward, backward = (dataclasses.replace(cfg, block_b=round_up(cfg.block_b, 16)) if cfg.block_b % 16 else cfg
-                         for cfg in (forward, backward))
+    if forward.block_b % 16:
+        forward = dataclasses.replace(forward, block_b=round_up(forward.block_b, 16))
+    if backward.block_b % 16:
+        backward = dataclasses.replace(backward, block_b=round_up(backward.block_b, 16))
     rows = round_up(max(forward.padded_n, backward.padded_n), math.lcm(forward.block_b, backward.block_b))
     columns = max(forward.num_cores * forward.nv_per_core * forward.block_v,
                   backward.num_cores * backward.nv_per_core * backward.block_v)
@@ -195,7 +203,7 @@ def budgeted_plan(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Stat
     plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target)
     if plan.extra_bytes > budget_bytes:
         logits_room = budget_bytes - 4 * math.prod(plan.running_dw_shape)
-        fitting = logits_room // (4 * plan.logits_shape[1]) // 512 * 512
+        fitting = logits_room // (4 * plan.logits_buffers * plan.logits_shape[1]) // 512 * 512
         if MIN_BUDGET_CHUNK_TOKENS <= fitting < plan.chunk:
             plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target, chunk_tokens=fitting)
     return plan
