@@ -316,7 +316,8 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
 
 def _widest_fitting(cfg: BackwardConfig, shape: cost_model.Shape, budget: int, floor: int) -> BackwardConfig:
     lane = max(cfg.mxu_side, 128)
-    widest = min(KEPT_MAX_BLOCK_V, round_up(cfg.v, lane))
+    # A vocabulary of one block takes exactly V columns (a block may equal the array's extent, not exceed it).
+    widest = cfg.v if cfg.v <= KEPT_MAX_BLOCK_V else KEPT_MAX_BLOCK_V
     token_blocks = [b for b in (1024, 768, 512, 384, 256) if b <= KEPT_MAX_BLOCK_B and cfg.n % b == 0]
     token_blocks = token_blocks or [cfg.block_b]
     for block_b in token_blocks:
