@@ -197,8 +197,10 @@ def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
     n, h, v = 8192, 4096, 128256
 
     def loss(x, labels, w):
+        # The recompute path's bound (the kept path's float32 dw alone is a device's logits when N <= H per device:
+        # its memory under vocab shards is tests/test_sharded_step.py's).
         return sharded_linear_cross_entropy(x, labels, w, mesh=mesh, vocab_axis="vocab", implementation="pallas_tpu",
-                                            logsumexp_weight=1e-4)
+                                            logsumexp_weight=1e-4, keep_logits=False)
 
     def arg(shape, dtype, *partition):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*partition)))
@@ -213,8 +215,7 @@ def test_pallas_tpu_sharded_over_a_v5p_2x2x1_topology_compiles(monkeypatch):
     memory = compiled.memory_analysis()
     assert memory is not None
     temp = memory.temp_size_in_bytes
-    # pallas_tpu's bound: one f32 dw, two f32 dx, and the keep-logits budget the default may spend (4 GiB)
-    assert temp <= 4 * h * vocab + 8 * tokens * h + 4 * 2**30
+    assert temp <= 4 * h * vocab + 8 * tokens * h  # pallas_tpu's bound: one f32 dw, two f32 dx
     assert temp < 4 * tokens * vocab  # less than one f32 copy of this device's logits
 
 
