@@ -197,10 +197,10 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, 
         if cfg.dw_to_running:
             _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, cfg)
         else:
-            dw_stage = staging[0]
-            write = _dw_write(dw_hbm, dw_stage, staging[1] if len(staging) > 1 else None, sems, block, cfg)
-            _write_dw(dw_slots.at[slot], dw_stage, staging[1] if len(staging) > 1 else None, write, i, jj, block,
-                      cfg)
+            dw_stage, *remainder = staging
+            dw_remainder = remainder[0] if remainder else None
+            write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
+            _write_dw(dw_slots.at[slot], dw_stage, dw_remainder, write, i, jj, block, cfg)
         _dx_resident_step(w_ref, d, dx_acc.at[_token_rows(i, cfg)], jj, cfg)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer

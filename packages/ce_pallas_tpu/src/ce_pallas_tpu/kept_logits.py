@@ -220,11 +220,11 @@ def choose(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
     HBM-bound forward and a backward at 1.28-1.37 of its MXU minimum, against about 1.08 recomputing,
     where the roofline alone said 0.85.)"""
     target = current_target() if target is None else target
-    budget = keep_logits_budget(target) if budget_bytes is None else budget_bytes
     if n == 0:
         return None
     if h < 2 * target.facts.flops_per_byte:
         return None  # the forward's float32 logits (4 bytes per 2H flops) cannot hide under its matmuls
+    budget = keep_logits_budget(target) if budget_bytes is None else budget_bytes
     plan = budgeted_plan(n, h, v, x_dtype, w_dtype, spec, target, budget)
     if plan.extra_bytes > budget:
         return None
