@@ -88,7 +88,7 @@ class _Broken(ce_core.Backend):
     name = "bench_test_broken"
     contract_version = ce_core.CONTRACT_VERSION
 
-    def row_stats(self, x, w, labels, spec, *, row_scale=None):
+    def row_stats(self, x, w, labels, spec, *, row_scale=None, live=None):
         raise RuntimeError("broken at trace time")
 
 
@@ -99,7 +99,7 @@ class _Declines(ce_core.Backend):
     def check(self, problem):
         raise ce_core.UnsupportedError(f"bench_test_declines cannot do V={problem.v}")
 
-    def row_stats(self, x, w, labels, spec, *, row_scale=None):  # pragma: no cover - never reached
+    def row_stats(self, x, w, labels, spec, *, row_scale=None, live=None):  # pragma: no cover - never reached
         raise AssertionError
 
 
@@ -107,7 +107,7 @@ class _FailsAtRunTime(ce_core.Backend):
     name = "bench_test_runtime"
     contract_version = ce_core.CONTRACT_VERSION
 
-    def row_stats(self, x, w, labels, spec, *, row_scale=None):
+    def row_stats(self, x, w, labels, spec, *, row_scale=None, live=None):
         def explode(value):
             raise ValueError("exploded while running")
 

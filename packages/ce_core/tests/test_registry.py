@@ -34,7 +34,7 @@ class Refusing(Backend):
     def check(self, problem):
         raise UnsupportedError(f"{self.reason} (n={problem.n}, v={problem.v})")
 
-    def row_stats(self, x, w, labels, spec, *, row_scale=None):  # pragma: no cover - never reached
+    def row_stats(self, x, w, labels, spec, *, row_scale=None, live=None):  # pragma: no cover - never reached
         raise AssertionError("check() refused this call")
 
 
@@ -46,7 +46,7 @@ class Counting(Backend):
     def __init__(self, name: str) -> None:
         self.name, self.calls = name, 0
 
-    def row_stats(self, x, w, labels, spec, *, row_scale=None):
+    def row_stats(self, x, w, labels, spec, *, row_scale=None, live=None):
         self.calls += 1
         return reference_row_stats(x, w, labels, spec)
 
@@ -204,7 +204,7 @@ def test_contract_version_mismatch_is_refused(temporary_backends):
 
     ce_core.register_backend("old", lambda: Old("old"))
     try:
-        with pytest.raises(RuntimeError, match=r"contract version 0, but this ce_core speaks versions \[1, 2, 3\]"):
+        with pytest.raises(RuntimeError, match=r"contract version 0, but this ce_core speaks versions \[1, 2, 3, 4\]"):
             ce_core.get_backend("old")
     finally:
         ce_core.unregister_backend("old")

@@ -287,13 +287,13 @@ def test_argmax_of_a_later_chunk_wins_only_when_strictly_larger():
 def test_plans_read_h_and_v_from_the_layout(layout):
     x, w, _, _ = problem(3001, "bfloat16", layout, seed=9)
     backend = XlaBackend()
-    plan = backend._plan_for(x, w, StatsSpec(w_layout=layout))
+    plan = backend._plan_for(x, w, StatsSpec(w_layout=layout), None)
     assert (plan.h, plan.v) == (40, 3001)
-    assert plan == backend.plan(N, 40, 3001, StatsSpec(), x.dtype, w.dtype)
+    assert plan == backend.plan(N, 40, 3001, StatsSpec(), x.dtype, w.dtype, live_rows=False)
 
 
-def test_contract_version_3_and_the_registry_accepts_every_v3_spec():
-    assert XlaBackend.contract_version == 3
+def test_contract_version_4_and_the_registry_accepts_every_v3_spec():
+    assert XlaBackend.contract_version == 4 and XlaBackend().takes_live_rows
     backend = get_backend("xla")
     assert isinstance(backend, XlaBackend)
     x, w, labels, scale = problem(1001, "float32", "vh", seed=10)

@@ -16,7 +16,8 @@ from ce_bench.records import Record
 
 
 def _group(record: Record) -> str:
-    return f"{record.shape}\n{record.dtype}" + (f" {record.target}" if record.target else "")
+    group = f"{record.shape}\n{record.dtype}" + (f" {record.target}" if record.target else "")
+    return group + (f"\n{record.ignored:.0%} ignored ({record.ignored_pattern})" if record.ignored else "")
 
 
 def _order(records: Sequence[Record]) -> tuple[list[str], list[str]]:

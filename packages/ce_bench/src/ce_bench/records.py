@@ -56,6 +56,8 @@ class Record:
     hbm_bytes: int | None = None
     mesh: str | None = None  # ``ce-bench sharding``: the DATAxVOCAB mesh (sizes are then per device)
     call: str | None = None  # ``ce-bench sharding``: how the loss was called (sharded_memory.CALLS)
+    ignored: float | None = None  # ``--ignored``: the share of tokens whose label is ignored
+    ignored_pattern: str | None = None  # and where they sit (``ce_bench.ignored.PATTERNS``)
 
     def take_memory(self, fwd_bwd: CompileResult, fwd: CompileResult | None = None) -> None:
         """Compile time and sizes of the forward+backward program (and the forward's temporaries)."""

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ce_bench import accuracy, memory, objectives
+from ce_bench import accuracy, ignored, memory, objectives
 from ce_bench.contenders import Contender
 from ce_bench.floor import FLOOR_NAME, floor_bytes, floor_programs
 from ce_bench.presets import Shape
@@ -52,6 +52,9 @@ class RunConfig:
     oracle_max_elements: int = accuracy.DEFAULT_MAX_ELEMENTS
     memory_budget_bytes: int | None = None
     seed: int = 0
+    #: The share of tokens whose label is ignored (``ce_bench.ignored``), and where they sit.
+    ignored: float = 0.0
+    ignored_pattern: str = "prompts"
 
 
 @dataclasses.dataclass
@@ -181,7 +184,8 @@ class _ShapePlan:
 def _base_record(name: str, shape: Shape, dtype: Any, config: RunConfig, device_text: str) -> Record:
     return Record(backend=name, shape=shape.label, n=shape.n, h=shape.h, v=shape.v,
                   dtype=jnp.dtype(dtype).name, reduction=config.reduction, note=shape.note or None,
-                  device=device_text, repeats=None if config.compile_only else config.repeats)
+                  device=device_text, repeats=None if config.compile_only else config.repeats,
+                  ignored=config.ignored or None, ignored_pattern=config.ignored_pattern if config.ignored else None)
 
 
 def _plan(shape: Shape, dtype: Any, config: RunConfig, budget: int | None, device: Any,
@@ -281,6 +285,7 @@ def _measure(plan: _ShapePlan, config: RunConfig, budget: int | None, bar: Progr
 
     shape, dtype = plan.shape, plan.dtype
     x_host, labels_host, w_host = make_inputs(config.seed, shape.n, shape.h, shape.v)
+    labels_host = ignored.ignore_tokens(labels_host, config.ignored, config.ignored_pattern, seed=config.seed)
     x, labels, w = jnp.asarray(x_host, dtype), jnp.asarray(labels_host), jnp.asarray(w_host, dtype)
     del x_host, w_host
 

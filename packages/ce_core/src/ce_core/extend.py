@@ -6,9 +6,9 @@ imports one). What is here, by role:
 
 - **The contract** (:mod:`ce_core.contract.backend`): :class:`Backend` and the types it is called with
   (:class:`Problem`, :class:`StatsSpec`, :class:`RowStats`, ``CotangentFn``), the version a backend
-  declares (:data:`CONTRACT_VERSION`), the placements it may be told (:data:`PLACEMENTS`), and
-  :func:`localize_cotangent`. :class:`BlockSizes`, :class:`TileReport` and :class:`PassTiles` for
-  tile sizes; :class:`UnsupportedError` to decline a call (a fallback chain then moves on).
+  declares (:data:`CONTRACT_VERSION`), the placements it may be told (:data:`PLACEMENTS`),
+  :func:`localize_cotangent` and :func:`inert_dead_rows`. :class:`BlockSizes`, :class:`TileReport`
+  and :class:`PassTiles` for tile sizes; :class:`UnsupportedError` to decline a call (a fallback chain then moves on).
 - **Registration**: :func:`register_backend`, :func:`unregister_backend`, :func:`get_backend`
   (installed backends register through the ``ce_core.backends`` entry-point group instead).
 - **Inside ``shard_map``**: the varying-axes helpers a backend needs when it builds arrays of its own
@@ -35,6 +35,7 @@ from ce_core.contract.backend import (
     Problem,
     RowStats,
     StatsSpec,
+    inert_dead_rows,
     localize_cotangent,
 )
 from ce_core.contract.block_sizes import BlockSizes
@@ -92,6 +93,7 @@ __all__ = [
     "first_line",
     "get_backend",
     "host_has_tpu",
+    "inert_dead_rows",
     "localize_cotangent",
     "log_probs_oracle",
     "max_rel_error",

@@ -81,8 +81,11 @@ class PallasTpuBackend(Backend):
             return kept_logits.plan_chunks(n, h, v, x_dtype, w_dtype, spec)
         return kept_logits.choose(n, h, v, x_dtype, w_dtype, spec, budget_bytes=self.keep_logits_budget_bytes)
 
+    # ``live`` (contract version 4) is in the signatures only: at version 3 ce_core never passes it, and
+    # every row is computed (dead rows' cotangents are zero).
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
-                  row_scale: jax.Array | None = None) -> RowStats:
+                  row_scale: jax.Array | None = None, live: jax.Array | None = None) -> RowStats:
+        del live
         return ops.row_stats(x, w, labels, spec, row_scale=row_scale)
 
     def row_stats_vjp(
@@ -95,7 +98,9 @@ class PallasTpuBackend(Backend):
         spec: StatsSpec,
         *,
         row_scale: jax.Array | None = None,
+        live: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
+        del live
         return ops.row_stats_vjp(x, w, labels, stats, cotangent, spec, row_scale=row_scale)
 
     def row_stats_and_grads(
@@ -108,10 +113,12 @@ class PallasTpuBackend(Backend):
         token_params: Any,
         *,
         row_scale: jax.Array | None = None,
+        live: jax.Array | None = None,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
         """Where :meth:`kept_plan` gives a plan, the logits kept between the passes
         (:mod:`ce_pallas_tpu.kept_logits`, 6NHV); otherwise the forward kernel, then the backward kernel
         recomputing them (8NHV)."""
+        del live
         v = ops.vocab_size(w, spec)
         plan = self.kept_plan(x.shape[0], x.shape[1], v, x.dtype, w.dtype, spec)
         if plan is not None:

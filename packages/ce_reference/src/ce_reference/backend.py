@@ -47,12 +47,14 @@ class ReferenceBackend(Backend):
     """Materialises ``[N, V]`` logits; runs wherever XLA runs."""
 
     name = "reference"
-    contract_version = 3
+    contract_version = 4
     #: The last resort everywhere: it materialises the logits.
     default_priority = MappingProxyType({"*": 0})
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
-                  row_scale: jax.Array | None = None) -> RowStats:
+                  row_scale: jax.Array | None = None, live: jax.Array | None = None) -> RowStats:
+        """Every row's statistics, dead ones (``live``) included: the oracle computes all of them."""
+        del live
         return row_stats(x, w, labels, spec, row_scale)
 
 

@@ -5,8 +5,9 @@ statistics (O(N) beyond the inputs); its backward pass recomputes the logits chu
 ``row_stats_and_grads``, used by ``ce_core`` when the loss is reduced to a scalar, forms ``dx`` and
 ``dw`` in the same pass as the statistics (6NHV) when the plan's gradient order is tokens outer.
 Every entry point takes its gradient order from the plan (:mod:`ce_xla.tiling`), so none holds a
-float32 ``[H, V]`` accumulator for a bf16 ``w`` beyond the keep-logits budget. Contract version 3: a ``[V, H]`` head
-(:mod:`ce_xla.head`), ``max``/``argmax`` and a per-token ``row_scale``, on every path.
+float32 ``[H, V]`` accumulator for a bf16 ``w`` beyond the keep-logits budget. Contract version 4: a ``[V, H]`` head
+(:mod:`ce_xla.head`), ``max``/``argmax``, a per-token ``row_scale``, and the ``live`` rows: every token loop
+runs over the live rows only (gathered to the front, :class:`ce_xla.loops.TokenRows`), on every path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from ce_core import Backend, BlockSizes, CotangentFn, PassTiles, Problem, RowStats, StatsSpec, TileReport
 from ce_xla import backward, fused, head, ops, target
+from ce_xla.loops import TokenRows
 from ce_xla.target import target_platform
 from ce_xla.tiling import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks, resolve_order
 
@@ -36,7 +38,7 @@ class XlaBackend(Backend):
     """
 
     name = "xla"
-    contract_version = 3
+    contract_version = 4
     #: The default wherever XLA runs, after a platform's own kernels.
     default_priority = MappingProxyType({"*": 10})
 
@@ -74,17 +76,19 @@ class XlaBackend(Backend):
         return target.device_keep_logits_budget(platform or target_platform())
 
     def plan(self, n: int, h: int, v: int, spec: StatsSpec, x_dtype: Any = np.float32,
-             w_dtype: Any = np.float32) -> ChunkPlan:
-        """The chunk plan used for ``x: [n, h]`` of ``x_dtype``, ``w: [h, v]`` of ``w_dtype``."""
+             w_dtype: Any = np.float32, live_rows: bool = True) -> ChunkPlan:
+        """The chunk plan used for ``x: [n, h]`` of ``x_dtype``, ``w: [h, v]`` of ``w_dtype``; ``live_rows``: when
+        ce_core marks the live rows (every call but ``return_lse``), so chunks of dead rows can be skipped."""
         platform = target_platform()
         return plan_chunks(n, h, v, spec.block_sizes, x_dtype=x_dtype, w_dtype=w_dtype, order=self.gradient_order,
                            budget_bytes=self.budget_bytes, grad_budget_bytes=self.grad_budget_bytes,
                            platform=platform, keep_logits=spec.keep_logits,
-                           keep_logits_budget_bytes=self.keep_logits_budget(platform))
+                           keep_logits_budget_bytes=self.keep_logits_budget(platform), live_rows=live_rows)
 
     def block_sizes_for(self, problem: Problem) -> TileReport:
-        """The chunk plan for ``problem`` on the platform being compiled for: its statistics and gradient
-        tiles, and the gradient order (``details["gradient_order"]``)."""
+        """The chunk plan for ``problem`` on the platform being compiled for, as a call with live rows (every
+        call but ``return_lse``) runs it: its statistics and gradient tiles, and the gradient order
+        (``details["gradient_order"]``)."""
         plan = self.plan(problem.n, problem.h, problem.v, problem.spec, problem.x_dtype, problem.w_dtype)
         explicit = problem.spec.block_sizes is not None and any(
             size is not None for size in (problem.spec.block_sizes.b_block_size, problem.spec.block_sizes.v_block_size))
@@ -99,13 +103,14 @@ class XlaBackend(Backend):
             details={"gradient_order": plan.gradient_order},
         )
 
-    def _plan_for(self, x: jax.Array, w: jax.Array, spec: StatsSpec) -> ChunkPlan:
+    def _plan_for(self, x: jax.Array, w: jax.Array, spec: StatsSpec, live: jax.Array | None) -> ChunkPlan:
         h, v = head.dims(w, spec.w_layout)
-        return self.plan(x.shape[0], h, v, spec, x.dtype, w.dtype)
+        return self.plan(x.shape[0], h, v, spec, x.dtype, w.dtype, live_rows=live is not None)
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
-                  row_scale: jax.Array | None = None) -> RowStats:
-        return ops.row_stats(x, w, labels, _scale(spec, row_scale), spec, self._plan_for(x, w, spec))
+                  row_scale: jax.Array | None = None, live: jax.Array | None = None) -> RowStats:
+        plan = self._plan_for(x, w, spec, live)
+        return ops.row_stats(x, w, labels, _scale(spec, row_scale), _live(live), spec, plan)
 
     def row_stats_vjp(
         self,
@@ -117,10 +122,11 @@ class XlaBackend(Backend):
         spec: StatsSpec,
         *,
         row_scale: jax.Array | None = None,
+        live: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         with head.precision_scope(spec.precision):
-            return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, self._plan_for(x, w, spec),
-                                            _scale(spec, row_scale))
+            return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, self._plan_for(x, w, spec, live),
+                                            _scale(spec, row_scale), TokenRows.of(x.shape[0], _live(live)))
 
     def row_stats_and_grads(
         self,
@@ -132,10 +138,12 @@ class XlaBackend(Backend):
         token_params: Any,
         *,
         row_scale: jax.Array | None = None,
+        live: jax.Array | None = None,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
         with head.precision_scope(spec.precision):
-            return fused.row_stats_and_grads(x, w, labels, spec, self._plan_for(x, w, spec), cotangent_fn,
-                                             token_params, _scale(spec, row_scale))
+            return fused.row_stats_and_grads(x, w, labels, spec, self._plan_for(x, w, spec, live), cotangent_fn,
+                                             token_params, _scale(spec, row_scale),
+                                             TokenRows.of(x.shape[0], _live(live)))
 
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "
@@ -148,6 +156,11 @@ def _scale(spec: StatsSpec, row_scale: jax.Array | None) -> jax.Array | None:
     if row_scale is None:
         raise ValueError("xla backend: StatsSpec.with_row_scale needs the row_scale argument")
     return jax.lax.stop_gradient(jnp.asarray(row_scale, jnp.float32))
+
+
+def _live(live: jax.Array | None) -> jax.Array | None:
+    """The bool ``[N]`` live-row mask (never differentiated), or ``None``: every row."""
+    return None if live is None else jax.lax.stop_gradient(jnp.asarray(live, bool))
 
 
 def make_backend() -> XlaBackend:

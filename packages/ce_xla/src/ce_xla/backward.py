@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from ce_core import RowStats, StatsSpec
 from ce_core.extend import vary_like
 from ce_xla import head, tile_stats, vocab_outer
-from ce_xla.loops import chunk_start, loop
+from ce_xla.loops import TokenRows, chunk_start, loop
 from ce_xla.tiling import ChunkPlan
 
 
@@ -98,25 +98,28 @@ def row_stats_grads(
     spec: StatsSpec,
     plan: ChunkPlan,
     row_scale: jax.Array | None = None,
+    token_rows: TokenRows | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``dx`` (dtype of ``x``) and ``dw`` (dtype and layout of ``w``) for cotangents of the row statistics."""
+    """``dx`` (dtype of ``x``) and ``dw`` (dtype and layout of ``w``) for cotangents of the row statistics
+    (with ``token_rows`` marking live rows, chunks of dead rows only are skipped: their ``dx`` rows stay 0)."""
     stats, cotangent = tile_stats.differentiable(stats), tile_stats.differentiable(cotangent)
-    if plan.gradient_order == "vocab_outer":
-        return vocab_outer.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale)
     n, rows = x.shape[0], plan.grad_token_chunk  # not tied to the statistics rows: nothing is reused here
+    token_rows = token_rows or TokenRows(n)
+    if plan.gradient_order == "vocab_outer":
+        return vocab_outer.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale, token_rows)
     dtype = jnp.promote_types(x.dtype, w.dtype)
 
     def chunk(i, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         dx, dw = carry
         start, first_new = chunk_start(i, rows, n)
-        piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
-        dx_chunk, dw = chunk_grads(piece(x), w, piece(labels), jax.tree.map(piece, stats),
+        piece = lambda a: token_rows.take(a, start, rows)  # noqa: E731
+        dx_chunk, dw = chunk_grads(token_rows.take_rows(x, start, rows), w, piece(labels), jax.tree.map(piece, stats),
                                    jax.tree.map(piece, cotangent), spec, plan, dtype, dw,
                                    owned_rows(start, first_new, rows), None,
                                    None if row_scale is None else piece(row_scale))
-        return jax.lax.dynamic_update_slice_in_dim(dx, dx_chunk.astype(x.dtype), start, 0), dw
+        return token_rows.put(dx, dx_chunk.astype(x.dtype), start), dw
 
     initial = vary_like((jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, dw_dtype(plan.grad_token_chunks, w))), x, w,
-                        labels, stats, cotangent, row_scale)
-    dx, dw = loop(plan.grad_token_chunks, chunk, initial)
+                        labels, stats, cotangent, row_scale, token_rows.order)
+    dx, dw = loop(token_rows.chunks(rows), chunk, initial)
     return dx, dw.astype(w.dtype)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ce_core import RowStats, StatsSpec
 from ce_core.extend import vary_like
 from ce_xla import head, tile_stats
-from ce_xla.loops import chunk_start, loop
+from ce_xla.loops import TokenRows, chunk_start, loop
 from ce_xla.tiling import ChunkPlan
 
 
@@ -51,16 +51,21 @@ def empty_row_stats(n: int, spec: StatsSpec) -> RowStats:
 
 
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, plan: ChunkPlan,
-              row_scale: jax.Array | None = None) -> RowStats:
-    """``RowStats`` of every row of ``x`` (``[N, H]``) against ``w`` (``[H, V]`` or ``[V, H]``), ``[N]`` each."""
+              row_scale: jax.Array | None = None, token_rows: TokenRows | None = None) -> RowStats:
+    """``RowStats`` of every row of ``x`` (``[N, H]``) against ``w`` (``[H, V]`` or ``[V, H]``), ``[N]`` each.
+
+    With ``token_rows`` marking live rows, only chunks holding live rows run; the other rows' statistics stay 0.
+    """
     n, rows = x.shape[0], plan.token_chunk
+    token_rows = token_rows or TokenRows(n)
     dtype = jnp.promote_types(x.dtype, w.dtype)
 
     def chunk(i, out: RowStats) -> RowStats:
         start, _ = chunk_start(i, rows, n)  # rows of an overlapping last chunk are rewritten, equal
-        piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
+        piece = lambda a: token_rows.take(a, start, rows)  # noqa: E731
         scale = None if row_scale is None else piece(row_scale)
-        stats, _ = chunk_row_stats(piece(x), w, piece(labels), spec, plan, dtype, scale)
-        return jax.tree.map(lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0), out, stats)
+        stats, _ = chunk_row_stats(token_rows.take_rows(x, start, rows), w, piece(labels), spec, plan, dtype, scale)
+        return jax.tree.map(lambda full, part: token_rows.put(full, part, start), out, stats)
 
-    return loop(plan.token_chunks, chunk, vary_like(empty_row_stats(n, spec), x, w, labels, row_scale))
+    initial = vary_like(empty_row_stats(n, spec), x, w, labels, row_scale, token_rows.order)
+    return loop(token_rows.chunks(rows), chunk, initial)

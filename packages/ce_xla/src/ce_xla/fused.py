@@ -25,7 +25,7 @@ from ce_core.extend import vary_like
 from ce_xla import tile_stats, vocab_outer
 from ce_xla.backward import chunk_grads, dw_dtype, owned_rows
 from ce_xla.forward import chunk_row_stats, empty_row_stats, row_stats
-from ce_xla.loops import chunk_start, loop
+from ce_xla.loops import TokenRows, chunk_start, loop
 from ce_xla.tiling import ChunkPlan
 
 
@@ -38,31 +38,35 @@ def row_stats_and_grads(
     cotangent_fn: CotangentFn,
     token_params: Any,
     row_scale: jax.Array | None = None,
+    token_rows: TokenRows | None = None,
 ) -> tuple[RowStats, jax.Array, jax.Array]:
     """Statistics (``max``/``argmax`` too when asked), ``dx`` (dtype of ``x``) and ``dw`` (dtype and
-    layout of ``w``) for ``cotangent_fn``'s cotangents."""
-    if not plan.fused:
-        stats = row_stats(x, w, labels, spec, plan, row_scale)
-        dx, dw = vocab_outer.row_stats_grads(x, w, labels, stats, cotangent_fn(stats, token_params), spec, plan,
-                                             row_scale)
-        return stats, dx, dw
+    layout of ``w``) for ``cotangent_fn``'s cotangents; with ``token_rows`` marking live rows, chunks of
+    dead rows only are skipped (their statistics and ``dx`` rows stay 0)."""
     n, rows = x.shape[0], plan.token_chunk
+    token_rows = token_rows or TokenRows(n)
+    if not plan.fused:
+        stats = row_stats(x, w, labels, spec, plan, row_scale, token_rows)
+        dx, dw = vocab_outer.row_stats_grads(x, w, labels, stats, cotangent_fn(stats, token_params), spec, plan,
+                                             row_scale, token_rows)
+        return stats, dx, dw
     dtype = jnp.promote_types(x.dtype, w.dtype)
 
     def chunk(i, carry: tuple[RowStats, jax.Array, jax.Array]) -> tuple[RowStats, jax.Array, jax.Array]:
         stats, dx, dw = carry
         start, first_new = chunk_start(i, rows, n)
-        piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
-        x_chunk, labels_chunk = piece(x), piece(labels)
+        piece = lambda a: token_rows.take(a, start, rows)  # noqa: E731
+        x_chunk, labels_chunk = token_rows.take_rows(x, start, rows), piece(labels)
         scale = None if row_scale is None else piece(row_scale)
         stats_chunk, z = chunk_row_stats(x_chunk, w, labels_chunk, spec, plan, dtype, scale)
         cotangent = tile_stats.differentiable(cotangent_fn(stats_chunk, jax.tree.map(piece, token_params)))
         dx_chunk, dw = chunk_grads(x_chunk, w, labels_chunk, tile_stats.differentiable(stats_chunk), cotangent,
                                    spec, plan, dtype, dw, owned_rows(start, first_new, rows), z, scale)
-        put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0)  # noqa: E731
+        put = lambda full, part: token_rows.put(full, part, start)  # noqa: E731
         return jax.tree.map(put, stats, stats_chunk), put(dx, dx_chunk.astype(x.dtype)), dw
 
     dw = jnp.zeros(w.shape, dw_dtype(plan.token_chunks, w))  # float32 unless one token chunk
     initial = (empty_row_stats(n, spec), jnp.zeros(x.shape, x.dtype), dw)
-    stats, dx, dw = loop(plan.token_chunks, chunk, vary_like(initial, x, w, labels, token_params, row_scale))
+    initial = vary_like(initial, x, w, labels, token_params, row_scale, token_rows.order)
+    stats, dx, dw = loop(token_rows.chunks(rows), chunk, initial)
     return stats, dx, dw.astype(w.dtype)

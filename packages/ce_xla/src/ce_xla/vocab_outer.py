@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from ce_core import RowStats, StatsSpec
 from ce_core.extend import vary_like
 from ce_xla import head, tile_stats
-from ce_xla.loops import chunk_start, loop
+from ce_xla.loops import TokenRows, chunk_start, loop
 from ce_xla.tiling import ChunkPlan
 
 
@@ -34,12 +34,16 @@ def row_stats_grads(
     spec: StatsSpec,
     plan: ChunkPlan,
     row_scale: jax.Array | None = None,
+    token_rows: TokenRows | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``dx`` (dtype of ``x``) and ``dw`` (dtype and layout of ``w``) for cotangents of the row statistics."""
+    """``dx`` (dtype of ``x``) and ``dw`` (dtype and layout of ``w``) for cotangents of the row statistics
+    (with ``token_rows`` marking live rows, token chunks of dead rows only are skipped: their ``dx`` rows stay 0)."""
     stats, cotangent = tile_stats.differentiable(stats), tile_stats.differentiable(cotangent)
     layout = spec.w_layout
     n, (h, v) = x.shape[0], head.dims(w, layout)
     rows, width = plan.grad_token_chunk, plan.grad_chunk
+    token_rows = token_rows or TokenRows(n)
+    token_chunks = token_rows.chunks(rows)
     dtype = jnp.promote_types(x.dtype, w.dtype)
     product_dtype = tile_stats.grad_dtype(dtype)
     cap = spec.logit_soft_cap
@@ -55,8 +59,8 @@ def row_stats_grads(
         def token_chunk(i, inner: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             dx, dw_slice = inner
             row_start, first_row = chunk_start(i, rows, n)
-            piece = lambda a: jax.lax.dynamic_slice_in_dim(a, row_start, rows)  # noqa: E731
-            x_chunk = piece(x)
+            piece = lambda a: token_rows.take(a, row_start, rows)  # noqa: E731
+            x_chunk = token_rows.take_rows(x, row_start, rows)
             scale = None if row_scale is None else piece(row_scale)
             z = tile_stats.logits(x_chunk, w_slice, cap, dtype, layout, scale)
             owned = _owned(cols_owned, row_start, first_row, rows)
@@ -64,10 +68,10 @@ def row_stats_grads(
                                                piece(labels), cols, owned, cap, scale).astype(product_dtype)
             dx_rows = piece(dx) + head.dx_product(delta, w_product, layout)
             dw_slice = dw_slice + head.dw_product(x_chunk.astype(product_dtype), delta, layout)
-            return jax.lax.dynamic_update_slice_in_dim(dx, dx_rows, row_start, 0), dw_slice
+            return token_rows.put(dx, dx_rows, row_start), dw_slice
 
         dw_slice = vary_like(head.zeros_tile(h, width, layout), x, w_slice, dx, row_scale)
-        dx, dw_slice = loop(plan.grad_token_chunks, token_chunk, (dx, dw_slice))
+        dx, dw_slice = loop(token_chunks, token_chunk, (dx, dw_slice))
         dw_slice = dw_slice.astype(w.dtype)
         if width == v:
             return dx, dw_slice
@@ -77,7 +81,7 @@ def row_stats_grads(
         return dx, head.update_slice(dw, dw_slice, start, layout)
 
     initial = vary_like((jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, w.dtype)), x, w, labels, stats, cotangent,
-                        row_scale)
+                        row_scale, token_rows.order)
     dx, dw = loop(plan.grad_chunks, vocab_slice, initial)
     return dx.astype(x.dtype), dw
 

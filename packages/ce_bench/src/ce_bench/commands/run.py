@@ -8,7 +8,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-from ce_bench import presets
+from ce_bench import ignored, presets
 from ce_bench.commands import common
 from ce_bench.memory import GIB
 
@@ -44,7 +44,23 @@ def run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-budget", type=common.positive_gib, default=None, metavar="GIB",
                         help="refuse what would need more than this many GiB (default: 80%% of available memory)")
     parser.add_argument("--seed", type=common.non_negative_int, default=0, help="seed of the random inputs")
+    parser.add_argument("--ignored", type=fraction, default=0.0, metavar="F",
+                        help="ignore about this share of the tokens' labels (default: 0), as --ignored-pattern says")
+    parser.add_argument("--ignored-pattern", default="prompts", choices=ignored.PATTERNS,
+                        help=f"prompts: the first tokens of each {ignored.DEFAULT_SEQUENCE}-token sequence; padding: "
+                             "its last ones (each sequence its own share, about F on average; default: prompts)")
     return parser
+
+
+def fraction(text: str) -> float:
+    """A number in ``[0, 1]`` (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
 
 
 def memory_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[presets.Shape]:
@@ -82,11 +98,12 @@ def main(argv: Sequence[str]) -> int:
         warmup=args.warmup, compile_only=args.compile_only, measure_floor=not args.no_floor,
         oracle_max_elements=args.oracle_max_elements or accuracy.DEFAULT_MAX_ELEMENTS,
         memory_budget_bytes=None if args.memory_budget is None else int(args.memory_budget * GIB),
-        seed=args.seed)
+        seed=args.seed, ignored=args.ignored, ignored_pattern=args.ignored_pattern)
     budget = runner.budget_bytes(config.memory_budget_bytes)
     mode = "compile only" if args.compile_only else f"{args.repeats} interleaved rounds after {args.warmup} warm-up"
     print(f"ce-bench: {runner.device_description()}, jax {jax.__version__}; backends: {', '.join(names)}")
-    print(f"objective={args.reduction}; {mode}; memory budget "
+    skipped = f"; {args.ignored:.0%} of tokens ignored ({args.ignored_pattern})" if args.ignored else ""
+    print(f"objective={args.reduction}{skipped}; {mode}; memory budget "
           f"{'-' if budget is None else f'{budget / GIB:.1f} GiB'}")
     if compiled_shapes:
         print(f"compiled only, for their memory at full size: {', '.join(shape.label for shape in compiled_shapes)}")

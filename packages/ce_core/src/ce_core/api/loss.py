@@ -144,6 +144,9 @@ def loss_with_placement(x: jax.Array, labels: jax.Array, w: jax.Array, placement
         token_weights = token_weights * call.weights.astype(jnp.float32)
 
     reduction = options.reduction
+    if return_lse:  # every token's lse is returned, ignored ones included
+        call.live = None
+    # A zero weight on a valid label stays live: the loss's gradient in that weight is the token's loss.
     if reduction == "none" or return_lse or call.labels.size == 0:
         stats = call.row_stats()
         per_token = token_weights * token_losses(stats, config) + call.nan_if_bad
@@ -158,9 +161,9 @@ def loss_with_placement(x: jax.Array, labels: jax.Array, w: jax.Array, placement
 
     if reduction == "mean":
         token_weights = token_weights / _safe_total(token_weights)
-    reduced = _reduced_loss_fn(call.backend, call.spec, config, call.placement)
-    scale = () if call.row_scale is None else (call.row_scale,)
-    loss, argmax = reduced(call.x, call.w, call.labels, token_weights, *scale)
+    reduced = _reduced_loss_fn(call.backend, call.spec, config, call.placement, call.live is not None)
+    per_token = tuple(v for v in (call.row_scale, call.live) if v is not None)
+    loss, argmax = reduced(call.x, call.w, call.labels, token_weights, *per_token)
     return loss + jnp.sum(call.nan_if_bad), None, call.argmax_out(argmax) if return_argmax else None
 
 
@@ -171,14 +174,20 @@ def _safe_total(token_weights: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=256)
-def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, placement: Placement):
+def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, placement: Placement, with_live: bool):
     """``(sum_i c_i l_i, argmax or None)`` with a VJP whose dx and dw are formed in the forward pass.
 
     For a scalar loss every per-token cotangent is known once that token's statistics are, up to
     the final scalar cotangent ``g``; the backend computes dx and dw alongside the statistics
     (``Backend.row_stats_and_grads``, on each shard) and the backward pass only scales them by ``g``.
-    The argmax (``spec.with_argmax``) comes out of the same pass and takes no cotangent.
+    The argmax (``spec.with_argmax``) comes out of the same pass and takes no cotangent. After the
+    coefficients come the row scale (``spec.with_row_scale``) and the live mask (``with_live``).
     """
+
+    def split(per_token: tuple[jax.Array, ...]) -> tuple[jax.Array | None, jax.Array | None]:
+        rest = list(per_token)
+        scale = rest.pop(0) if spec.with_row_scale else None
+        return scale, rest.pop(0) if with_live else None
 
     def weighted_sum(stats: RowStats, coefficients: jax.Array) -> jax.Array:
         return jnp.sum(coefficients * token_losses(stats, config))
@@ -191,21 +200,21 @@ def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, plac
         return weighted_sum_grad(stats._replace(max=None, argmax=None), coefficients)
 
     @jax.custom_vjp
-    def reduced(x, w, labels, coefficients, *scale):
-        stats = ops.row_stats(backend, spec, placement, x, w, labels, *scale)
+    def reduced(x, w, labels, coefficients, *per_token):
+        stats = ops.row_stats(backend, spec, placement, x, w, labels, *split(per_token))
         return weighted_sum(stats, coefficients), stats.argmax
 
-    def forward(x, w, labels, coefficients, *scale):
+    def forward(x, w, labels, coefficients, *per_token):
         stats, dx, dw = ops.row_stats_and_grads(backend, spec, placement, cotangent_fn, x, w, labels, coefficients,
-                                                *scale)
+                                                *split(per_token))
         losses = token_losses(stats, config)
         return (jnp.sum(coefficients * losses), stats.argmax), (dx, dw, losses)
 
     def backward(residuals: Any, cotangents: Any):
         dx, dw, losses = residuals
         g = cotangents[0]
-        no_scale_grad = (None,) if spec.with_row_scale else ()
-        return ((g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, g * losses, *no_scale_grad)
+        no_grads = (None,) * (spec.with_row_scale + with_live)
+        return ((g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, g * losses, *no_grads)
 
     reduced.defvjp(forward, backward)
     return reduced

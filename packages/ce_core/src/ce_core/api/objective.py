@@ -227,9 +227,9 @@ def _objective(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placeme
         empty = jnp.zeros(call.labels.shape, jnp.float32)
         loss, logp, entropy = jnp.zeros((), jnp.float32), empty, empty
     else:
-        fused = _fused_objective(call.backend, call.spec, call.placement, token_fn, treedef)
-        scale = () if call.row_scale is None else (call.row_scale,)
-        loss, logp, entropy = fused(call.x, call.w, call.labels, params, *scale)
+        fused = _fused_objective(call.backend, call.spec, call.placement, token_fn, treedef, call.live is not None)
+        per_token = tuple(v for v in (call.row_scale, call.live) if v is not None)
+        loss, logp, entropy = fused(call.x, call.w, call.labels, params, *per_token)
     outputs = [loss + jnp.sum(call.nan_if_bad)]
     for asked, values in ((return_log_probs, logp), (return_entropy, entropy)):
         if asked:
@@ -255,16 +255,24 @@ def _mapped_over_tokens(token_fn: TokenFn, ndim: int) -> Callable[..., jax.Array
 
 
 @functools.lru_cache(maxsize=256)
-def _fused_objective(backend: Backend, spec: StatsSpec, placement: Placement, token_fn: TokenFn, treedef: Any):
+def _fused_objective(backend: Backend, spec: StatsSpec, placement: Placement, token_fn: TokenFn, treedef: Any,
+                     with_live: bool):
     """``(sum of the counted tokens' losses, logp, entropy or None)`` with a VJP formed in the forward pass.
 
     ``params`` is ``(counted, *input leaves)``, all per token. As in ``ce_core.api.loss._reduced_loss_fn``,
     the forward pass hands the backend ``cotangent_fn``: the gradient of the summed token losses with
     respect to a chunk's statistics (through ``logp = label - lse`` and ``entropy = lse - expected``),
     zero at ignored tokens whatever ``token_fn``'s derivative there. ``logp`` and the entropy are
-    returned for the caller to detach; they take no cotangent.
+    returned for the caller to detach; they take no cotangent. After ``params`` come the row scale
+    (``spec.with_row_scale``) and the live mask (``with_live``: the counted tokens, which a backend may
+    restrict its work to).
     """
     with_entropy = spec.with_expected
+
+    def split(per_token: tuple[jax.Array, ...]) -> tuple[jax.Array | None, jax.Array | None]:
+        rest = list(per_token)
+        scale = rest.pop(0) if spec.with_row_scale else None
+        return scale, rest.pop(0) if with_live else None
 
     def log_probs(stats: RowStats) -> tuple[jax.Array, jax.Array | None]:
         logp = stats.label - stats.lse
@@ -292,19 +300,20 @@ def _fused_objective(backend: Backend, spec: StatsSpec, placement: Placement, to
         return jax.tree.map(lambda c: jnp.where(counted, c, 0.0), cotangent)
 
     @jax.custom_vjp
-    def objective(x, w, labels, params, *scale):
-        stats = ops.row_stats(backend, spec, placement, x, w, labels, *scale)
+    def objective(x, w, labels, params, *per_token):
+        stats = ops.row_stats(backend, spec, placement, x, w, labels, *split(per_token))
         return (total(stats, params), *log_probs(stats))
 
-    def forward(x, w, labels, params, *scale):
-        stats, dx, dw = ops.row_stats_and_grads(backend, spec, placement, cotangent_fn, x, w, labels, params, *scale)
+    def forward(x, w, labels, params, *per_token):
+        stats, dx, dw = ops.row_stats_and_grads(backend, spec, placement, cotangent_fn, x, w, labels, params,
+                                                *split(per_token))
         return (total(stats, params), *log_probs(stats)), (dx, dw)
 
     def backward(residuals: Any, cotangents: Any):
         dx, dw = residuals
         g = cotangents[0]
-        no_scale_grad = (None,) if spec.with_row_scale else ()
-        return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None, *no_scale_grad
+        no_grads = (None,) * (spec.with_row_scale + with_live)
+        return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None, *no_grads
 
     objective.defvjp(forward, backward)
     return objective

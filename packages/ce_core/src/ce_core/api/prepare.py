@@ -45,7 +45,9 @@ class PreparedCall:
     ``counted`` marks tokens whose label is not ``ignore_index``; ``nan_if_bad`` is NaN at counted
     tokens whose label lies outside ``[0, V)`` or whose (traced) temperature is not finite and
     positive (under ``jit`` they cannot raise) and 0 elsewhere. ``row_scale`` is the per-token scale
-    the backend applies after the cap (``spec.with_row_scale``), else ``None``.
+    the backend applies after the cap (``spec.with_row_scale``), else ``None``. ``live`` marks the tokens
+    whose statistics the call needs, for a backend that can skip the others (contract version 4; ``None``
+    for older backends): the counted ones, unless the entry point narrows it or drops it.
     """
 
     x: jax.Array
@@ -60,6 +62,7 @@ class PreparedCall:
     vocab: int
     flat: FlatTokens | None = None
     row_scale: jax.Array | None = None
+    live: jax.Array | None = None
 
     def restore(self, per_token: jax.Array) -> jax.Array:
         """A per-token result in the shape of the caller's labels (undoing the placement's flattening)."""
@@ -73,7 +76,8 @@ class PreparedCall:
             return RowStats(empty, empty, empty if self.spec.with_sum else None,
                             empty if self.spec.with_expected else None, empty if argmax else None,
                             jnp.zeros(self.labels.shape, jnp.int32) if argmax else None)
-        return ops.row_stats(self.backend, self.spec, self.placement, self.x, self.w, self.labels, self.row_scale)
+        return ops.row_stats(self.backend, self.spec, self.placement, self.x, self.w, self.labels, self.row_scale,
+                             self.live)
 
     def argmax_out(self, argmax: jax.Array | None) -> jax.Array:
         """The per-token argmax in the labels' shape: int32, ``-1`` where the label is ``ignore_index``."""
@@ -152,7 +156,9 @@ def prepare(
     safe_y = jnp.where(counted & in_vocab, y, 0)
     if placement.typed:  # inside the caller's shard_map: see ce_core.contract.varying.align_varying
         x, w, safe_y, row_scale = align_varying(x, w, safe_y, row_scale)
-    return PreparedCall(x, w, safe_y, counted, nan_if_bad, weights, backend, spec, placement, vocab, flat, row_scale)
+    live = counted if backend.takes_live_rows else None
+    return PreparedCall(x, w, safe_y, counted, nan_if_bad, weights, backend, spec, placement, vocab, flat, row_scale,
+                        live)
 
 
 def run_placed(fn: Callable[..., Any], x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *,

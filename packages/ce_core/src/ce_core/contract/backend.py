@@ -21,9 +21,18 @@ times ``s_i cap'(x_i . w_j)``; ``dx = delta @ w.T`` and ``dw = x.T @ delta`` (fo
 differentiated (their cotangents are ``None``). Every loss feature (and the entropy,
 ``lse - expected``) is built from these statistics in ce_core, once, for every backend.
 
+**Dead rows** (contract version 4). Ignored tokens (prompts, padding) count for nothing, so ce_core
+passes a backend written against version 4 a ``live`` mask (bool ``[N]``) where the outputs at
+the other rows are not needed. A backend may then skip dead rows entirely or compute them like any
+other; either way their statistics are not read (ce_core sets them to 0), their ``dx`` rows must be 0
+and they must add nothing to ``dw``. Their cotangents are 0, and :meth:`Backend.row_stats_vjp` gets
+them with ``lse = +inf`` and every other statistic 0 (:func:`inert_dead_rows`), so a dead row that a
+backend computes anyway has ``p = 0`` and ``delta = 0`` exactly, whatever its logits.
+``live=None``: every row counts. ce_core never passes ``live`` to an older backend.
+
 Contract versions: 1 had ``lse``, ``label`` and ``sum``; 2 adds ``expected`` and
-:meth:`Backend.row_stats_vjp`; 3 adds ``StatsSpec.w_layout``, ``max``/``argmax`` and ``row_scale``.
-An older backend still runs every call that needs nothing its version lacks.
+:meth:`Backend.row_stats_vjp`; 3 adds ``StatsSpec.w_layout``, ``max``/``argmax`` and ``row_scale``;
+4 adds ``live``. An older backend still runs every call that needs nothing its version lacks.
 """
 
 from __future__ import annotations
@@ -44,8 +53,11 @@ from ce_core.contract.varying import vary_like
 #: Bumped whenever the contract below changes. A backend declares the version it was written
 #: against; the registry accepts the versions in :data:`SUPPORTED_CONTRACT_VERSIONS` and refuses a
 #: backend for a call that needs something its version lacks (so a fallback chain moves on).
-CONTRACT_VERSION = 3
-SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3)
+CONTRACT_VERSION = 4
+SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4)
+
+#: The first contract version whose backends take the ``live`` mask of dead rows.
+LIVE_ROWS_VERSION = 4
 
 #: The layouts of the head ``w``: ``"hv"`` is ``[H, V]``, ``"vh"`` is ``[V, H]`` (vocab entries as rows).
 W_LAYOUTS = ("hv", "vh")
@@ -162,14 +174,20 @@ class Backend(abc.ABC):
         del problem  # the base class has no tiles
         return None
 
+    @property
+    def takes_live_rows(self) -> bool:
+        """Whether ce_core passes this backend the ``live`` mask (contract version 4 and later)."""
+        return (self.contract_version or 0) >= LIVE_ROWS_VERSION
+
     @abc.abstractmethod
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
-                  row_scale: jax.Array | None = None) -> RowStats:
+                  row_scale: jax.Array | None = None, live: jax.Array | None = None) -> RowStats:
         """Row statistics of ``cap(x @ w)``, differentiable with respect to ``x`` and ``w``.
 
         ``x`` is ``[N, H]`` with ``N >= 1`` (ce_core answers empty batches itself), ``w`` is ``[H, V]``
         or ``[V, H]`` as ``spec.w_layout`` says, ``labels`` is int32 ``[N]``; ``row_scale`` is float32
-        ``[N]`` when ``spec.with_row_scale`` (never differentiated), else ``None``.
+        ``[N]`` when ``spec.with_row_scale`` (never differentiated), else ``None``; ``live`` (version 4)
+        is ``None`` or the bool ``[N]`` mask of the rows whose outputs are needed (see "Dead rows").
         """
 
     def row_stats_vjp(
@@ -182,6 +200,7 @@ class Backend(abc.ABC):
         spec: StatsSpec,
         *,
         row_scale: jax.Array | None = None,
+        live: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``dx, dw`` for cotangents of the statistics, given the statistics of the whole rows.
 
@@ -192,7 +211,10 @@ class Backend(abc.ABC):
         overrides this to skip recomputing them; this default differentiates :meth:`row_stats`,
         converting the cotangent to one of this ``w``'s own statistics (:func:`localize_cotangent`).
         """
-        local, vjp = jax.vjp(lambda x_, w_: _undifferentiated(self._stats(x_, w_, labels, spec, row_scale)), x, w)
+        def local_stats(x_: jax.Array, w_: jax.Array) -> RowStats:
+            return _undifferentiated(self._stats(x_, w_, labels, spec, row_scale, live))
+
+        local, vjp = jax.vjp(local_stats, x, w)
         return vjp(vary_like(localize_cotangent(cotangent, local, stats), local))
 
     def row_stats_and_grads(
@@ -205,6 +227,7 @@ class Backend(abc.ABC):
         token_params: Any,
         *,
         row_scale: jax.Array | None = None,
+        live: jax.Array | None = None,
     ) -> tuple[RowStats, jax.Array, jax.Array]:
         """Statistics plus ``dx, dw`` for cotangents that ``cotangent_fn`` derives from them.
 
@@ -217,18 +240,21 @@ class Backend(abc.ABC):
         token chunk, with the chunk's statistics and ``token_params``'s rows of it.
         """
         def differentiable(x_: jax.Array, w_: jax.Array):
-            return _split_undifferentiated(self._stats(x_, w_, labels, spec, row_scale))
+            return _split_undifferentiated(self._stats(x_, w_, labels, spec, row_scale, live))
 
         stats, vjp, extra = jax.vjp(differentiable, x, w, has_aux=True)
         dx, dw = vjp(cotangent_fn(stats, token_params))
         return stats._replace(max=extra[0], argmax=extra[1]), dx, dw
 
     def _stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec,
-               row_scale: jax.Array | None) -> RowStats:
-        """:meth:`row_stats`, passing ``row_scale`` only when asked (older backends do not take it)."""
+               row_scale: jax.Array | None, live: jax.Array | None = None) -> RowStats:
+        """:meth:`row_stats`, passing ``row_scale`` and ``live`` only when given (older backends do not take them)."""
+        keywords: dict[str, jax.Array | None] = {}
         if spec.with_row_scale:
-            return self.row_stats(x, w, labels, spec, row_scale=row_scale)
-        return self.row_stats(x, w, labels, spec)
+            keywords["row_scale"] = row_scale
+        if live is not None:
+            keywords["live"] = live
+        return self.row_stats(x, w, labels, spec, **keywords)
 
 
 def _undifferentiated(stats: RowStats) -> RowStats:
@@ -239,6 +265,19 @@ def _undifferentiated(stats: RowStats) -> RowStats:
 def _split_undifferentiated(stats: RowStats) -> tuple[RowStats, tuple[jax.Array | None, jax.Array | None]]:
     """The differentiable statistics, and ``(max, argmax)`` apart (an auxiliary output of a VJP)."""
     return _undifferentiated(stats), (stats.max, stats.argmax)
+
+
+def inert_dead_rows(stats: RowStats, cotangent: RowStats, live: jax.Array | None) -> tuple[RowStats, RowStats]:
+    """``stats`` and ``cotangent`` with every dead row (``live`` false) made inert for a gradient pass:
+    ``lse = +inf`` (so ``p = 0``), the other statistics and every cotangent 0, so ``delta = 0`` there exactly."""
+    if live is None:
+        return stats, cotangent
+
+    def zeroed(value: jax.Array) -> jax.Array:
+        return jnp.where(live, value, jnp.zeros((), value.dtype))
+
+    stats = jax.tree.map(zeroed, stats)._replace(lse=jnp.where(live, stats.lse, jnp.inf))
+    return stats, jax.tree.map(zeroed, cotangent)
 
 
 def localize_cotangent(cotangent: RowStats, local: RowStats, whole: RowStats) -> RowStats:

@@ -58,23 +58,31 @@ def _per_shard(fn: ShardFn, placement: Placement):
 
 
 def row_stats(backend: Backend, spec: StatsSpec, placement: Placement, x: jax.Array, w: jax.Array,
-              labels: jax.Array, row_scale: jax.Array | None = None) -> RowStats:
-    """Row statistics of ``s * cap(x @ w)`` over the whole vocabulary, differentiable in ``x`` and ``w``."""
-    return _row_stats_op(backend, spec, placement)(x, w, labels, *_scale_args(spec, row_scale))
+              labels: jax.Array, row_scale: jax.Array | None = None, live: jax.Array | None = None) -> RowStats:
+    """Row statistics of ``s * cap(x @ w)`` over the whole vocabulary, differentiable in ``x`` and ``w``.
+
+    ``live`` (bool, the labels' shape; only for a backend that takes it): the tokens whose statistics
+    are needed; the others' are 0 and take no gradient.
+    """
+    op = _row_stats_op(backend, spec, placement, live is not None)
+    return op(x, w, labels, *_scale_args(spec, row_scale), *_live_args(live))
 
 
 def row_stats_and_grads(backend: Backend, spec: StatsSpec, placement: Placement, cotangent_fn: CotangentFn,
                         x: jax.Array, w: jax.Array, labels: jax.Array,
                         coefficients: jax.Array | tuple[jax.Array, ...],
-                        row_scale: jax.Array | None = None) -> tuple[RowStats, jax.Array, jax.Array]:
+                        row_scale: jax.Array | None = None,
+                        live: jax.Array | None = None) -> tuple[RowStats, jax.Array, jax.Array]:
     """Statistics with ``dx`` and ``dw`` (dtypes of ``x`` and ``w``) for ``cotangent_fn``'s cotangents.
 
     ``coefficients``: one per-token array, or a tuple of them (``cotangent_fn`` then gets the tuple).
+    ``live`` as for :func:`row_stats` (dead tokens' cotangents must be 0).
     """
     packed = isinstance(coefficients, tuple)
     params = coefficients if isinstance(coefficients, tuple) else (coefficients,)
-    fn = RowStatsAndGradsFn(backend, spec, cotangent_fn, n_params=len(params) if packed else None)
-    out = run(fn, placement, x, w, labels, *_scale_args(spec, row_scale), *params)
+    fn = RowStatsAndGradsFn(backend, spec, cotangent_fn, n_params=len(params) if packed else None,
+                            with_live=live is not None)
+    out = run(fn, placement, x, w, labels, *_scale_args(spec, row_scale), *_live_args(live), *params)
     return stats_from(out, spec), out[-2], out[-1]
 
 
@@ -86,25 +94,29 @@ def _scale_args(spec: StatsSpec, row_scale: jax.Array | None) -> tuple[jax.Array
     return (jax.lax.stop_gradient(row_scale),)
 
 
+def _live_args(live: jax.Array | None) -> tuple[jax.Array, ...]:
+    return () if live is None else (jax.lax.stop_gradient(live),)
+
+
 @functools.lru_cache(maxsize=256)
-def _row_stats_op(backend: Backend, spec: StatsSpec, placement: Placement):
-    forward_fn = RowStatsFn(backend, spec)
+def _row_stats_op(backend: Backend, spec: StatsSpec, placement: Placement, with_live: bool = False):
+    forward_fn = RowStatsFn(backend, spec, with_live=with_live)
     smooth_spec = differentiable_spec(spec)
-    backward_fn = RowStatsVjpFn(backend, smooth_spec)
+    backward_fn = RowStatsVjpFn(backend, smooth_spec, with_live=with_live)
 
-    def stats(x, w, labels, *scale):
-        return stats_from(run(forward_fn, placement, x, w, labels, *scale), spec)
+    def stats(x, w, labels, *per_token):
+        return stats_from(run(forward_fn, placement, x, w, labels, *per_token), spec)
 
-    def forward(x, w, labels, *scale):
-        result = stats(x, w, labels, *scale)
-        return result, (x, w, labels, scale, result)
+    def forward(x, w, labels, *per_token):
+        result = stats(x, w, labels, *per_token)
+        return result, (x, w, labels, per_token, result)
 
     def backward(residuals: Any, cotangent: RowStats):
-        x, w, labels, scale, result = residuals
+        x, w, labels, per_token, result = residuals
         smooth = result._replace(max=None, argmax=None)
         ct = cotangent._replace(max=None, argmax=None)
-        dx, dw = run(backward_fn, placement, x, w, labels, *scale, *stats_values(smooth), *stats_values(ct))
-        return (dx, dw, None, *tuple(None for _ in scale))
+        dx, dw = run(backward_fn, placement, x, w, labels, *per_token, *stats_values(smooth), *stats_values(ct))
+        return (dx, dw, None, *tuple(None for _ in per_token))
 
     op = jax.custom_vjp(stats)
     op.defvjp(forward, backward)

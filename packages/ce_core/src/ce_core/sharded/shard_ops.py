@@ -14,7 +14,10 @@ dataclass (hashable, so the op built around it can be cached) taking and returni
 arrays, with the kind of every array declared:
 ``"x"`` (``[..., H]``), ``"w"`` (``[H, V]`` or ``[V, H]``, as ``StatsSpec.w_layout`` says) or ``"tokens"``
 (``[...]``, one value per token). Under ``StatsSpec.with_row_scale`` every function takes the per-token
-scale as one more ``"tokens"`` input right after the labels, never differentiated.
+scale as one more ``"tokens"`` input right after the labels, never differentiated; with ``with_live``
+(a backend of contract version 4) the bool mask of live tokens follows: each shard hands its own
+to the backend, which may skip the dead rows, and zeroes their statistics (vocab shards hold the same
+tokens, so they agree on which are live).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ce_core.contract.backend import Backend, CotangentFn, RowStats, StatsSpec, localize_cotangent
+from ce_core.contract.backend import Backend, CotangentFn, RowStats, StatsSpec, inert_dead_rows, localize_cotangent
 from ce_core.contract.varying import align_varying, psum_to, vary_like
 from ce_core.sharded.placement import ShardAxes
 from ce_core.sharded.vocab_parallel import combine_vocab_shards, vocab_offset
@@ -48,9 +51,19 @@ def local_vocab(w: jax.Array, spec: StatsSpec) -> int:
     return w.shape[1] if spec.w_layout == "hv" else w.shape[0]
 
 
-def _scale_kw(spec: StatsSpec, row_scale: jax.Array | None) -> dict[str, Any]:
-    """The ``row_scale`` keyword, passed only when the spec asks (older backends do not take it)."""
-    return {"row_scale": row_scale} if spec.with_row_scale else {}
+def _scale_kw(spec: StatsSpec, row_scale: jax.Array | None, live: jax.Array | None) -> dict[str, Any]:
+    """The ``row_scale`` and ``live`` keywords, each passed only when there is one (older backends take neither)."""
+    keywords: dict[str, Any] = {"row_scale": row_scale} if spec.with_row_scale else {}
+    if live is not None:
+        keywords["live"] = live
+    return keywords
+
+
+def _dead_rows_zeroed(stats: RowStats, live: jax.Array | None) -> RowStats:
+    """``stats`` with every dead row's statistics 0 (a backend may have skipped them, or computed them)."""
+    if live is None:
+        return stats
+    return jax.tree.map(lambda s: jnp.where(live, s, jnp.zeros((), s.dtype)), stats)
 
 
 def _stats_out(stats: RowStats, shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
@@ -72,6 +85,8 @@ class ShardFn:
 
     backend: Backend
     spec: StatsSpec
+    #: A bool ``"tokens"`` input of live tokens follows the row scale (a backend of contract version 4).
+    with_live: bool = dataclasses.field(default=False, kw_only=True)
 
     @property
     def in_kinds(self) -> tuple[str, ...]:
@@ -87,16 +102,16 @@ class ShardFn:
 
     @property
     def head_kinds(self) -> tuple[str, ...]:
-        """``x``, ``w``, the labels and (under ``with_row_scale``) the row scale."""
-        return ("x", "w", "tokens") + (("tokens",) if self.spec.with_row_scale else ())
+        """``x``, ``w``, the labels, (under ``with_row_scale``) the row scale and (``with_live``) the live mask."""
+        return ("x", "w", "tokens") + ("tokens",) * (self.spec.with_row_scale + self.with_live)
 
     def split_head(self, args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None,
-                                                                tuple[jax.Array, ...]]:
-        """``(x, w, labels, row_scale or None, rest)`` from the flat arguments."""
-        x, w, labels = args[:3]
-        if self.spec.with_row_scale:
-            return x, w, labels, args[3], args[4:]
-        return x, w, labels, None, args[3:]
+                                                                jax.Array | None, tuple[jax.Array, ...]]:
+        """``(x, w, labels, row_scale or None, live or None, rest)`` from the flat arguments."""
+        x, w, labels, *rest = args
+        scale = rest.pop(0) if self.spec.with_row_scale else None
+        live = rest.pop(0) if self.with_live else None
+        return x, w, labels, scale, live, tuple(rest)
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
         raise NotImplementedError
@@ -115,11 +130,13 @@ class RowStatsFn(ShardFn):
         return ("tokens",) * self.n_stats
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
-        x, w, labels, scale, _ = self.split_head(args)
+        x, w, labels, scale, live, _ = self.split_head(args)
         xf, w_, yf, sf = align_varying(_flat_rows(x), w, labels.reshape(-1), _flat_tokens(scale))
+        lf = _flat_live(live)
         v = local_vocab(w, self.spec)
-        local = self.backend.row_stats(xf, w_, yf - vocab_offset(axes.vocab, v), self.spec, **_scale_kw(self.spec, sf))
-        return _stats_out(combine_vocab_shards(local, axes.vocab, v), labels.shape)
+        local = self.backend.row_stats(xf, w_, yf - vocab_offset(axes.vocab, v), self.spec,
+                                       **_scale_kw(self.spec, sf, lf))
+        return _stats_out(_dead_rows_zeroed(combine_vocab_shards(local, axes.vocab, v), lf), labels.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,12 +155,14 @@ class RowStatsVjpFn(ShardFn):
         return ("x", "w")
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
-        x, w, labels, scale, rest = self.split_head(args)
+        x, w, labels, scale, live, rest = self.split_head(args)
         stats, cotangent = rest[:self.n_stats], rest[self.n_stats:]
         xf, w_, yf, sf, stats_f, ct = align_varying(_flat_rows(x), w, labels.reshape(-1), _flat_tokens(scale),
                                                     _stats_in(stats, self.spec), _stats_in(cotangent, self.spec))
+        lf = _flat_live(live)
         yf = yf - vocab_offset(axes.vocab, local_vocab(w, self.spec))
-        dx, dw = self.backend.row_stats_vjp(xf, w_, yf, stats_f, ct, self.spec, **_scale_kw(self.spec, sf))
+        stats_f, ct = inert_dead_rows(stats_f, ct, lf)
+        dx, dw = self.backend.row_stats_vjp(xf, w_, yf, stats_f, ct, self.spec, **_scale_kw(self.spec, sf, lf))
         dx = dx.astype(x.dtype).reshape(x.shape)
         return _sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes)
 
@@ -175,20 +194,21 @@ class RowStatsAndGradsFn(ShardFn):
         return ("tokens",) * self.n_stats + ("x", "w")
 
     def __call__(self, axes: ShardAxes, *args: jax.Array) -> tuple[jax.Array, ...]:
-        x, w, labels, scale, params = self.split_head(args)
+        x, w, labels, scale, live, params = self.split_head(args)
         xf, w_, yf, sf = align_varying(_flat_rows(x), w, labels.reshape(-1), _flat_tokens(scale))
+        lf = _flat_live(live)  # not aligned: the statistics it masks vary over the token axes only
         # Not aligned: the coefficients must vary like the combined statistics, or differentiating
         # sum(coefficients * losses) would sum the statistics' cotangents over the vocab shards.
         flat_params = tuple(p.reshape(-1) for p in params)
         cf: Any = flat_params[0] if self.n_params is None else flat_params
         v = local_vocab(w, self.spec)
         yf = yf - vocab_offset(axes.vocab, v)
-        scale_kw = _scale_kw(self.spec, sf)
+        scale_kw = _scale_kw(self.spec, sf, lf)
         cotangent_fn = self.cotangent_fn
         if axes.vocab:  # each chunk's statistics combined over the shards before its cotangents
             cotangent_fn = functools.partial(_vocab_sharded_cotangents, self.cotangent_fn, axes.vocab, v)
         stats, dx, dw = self.backend.row_stats_and_grads(xf, w_, yf, self.spec, cotangent_fn, cf, **scale_kw)
-        stats = combine_vocab_shards(stats, axes.vocab, v)
+        stats = _dead_rows_zeroed(combine_vocab_shards(stats, axes.vocab, v), lf)
         dx = dx.astype(x.dtype).reshape(x.shape)
         grads = (_sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes))
         return _stats_out(stats, labels.shape) + grads
@@ -200,6 +220,12 @@ def _vocab_sharded_cotangents(cotangent_fn: CotangentFn, vocab_axes: tuple[str, 
     cotangents taken, and mapped back onto this shard's (:func:`ce_core.contract.backend.localize_cotangent`)."""
     whole = combine_vocab_shards(local, vocab_axes, local_vocab)
     return vary_like(localize_cotangent(cotangent_fn(whole, params), local, whole), local)
+
+
+def _flat_live(live: jax.Array | None) -> jax.Array | None:
+    """The shard's live mask as bool ``[n]``; varying like the labels only (not aligned with ``w``), so
+    the statistics it masks stay replicated over the vocab shards."""
+    return None if live is None else jax.lax.stop_gradient(live.reshape(-1).astype(bool))
 
 
 def _flat_tokens(values: jax.Array | None) -> jax.Array | None:
