@@ -201,13 +201,20 @@ def test_garbage_in_dead_rows_reaches_no_output(order, reduction):
     assert max_rel_error(dx, dx_ref) <= 1e-4  # 0 at the dead rows, as the reference's
 
 
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 @pytest.mark.parametrize("mesh_shape", [(2, 1), (2, 2)])
-def test_shards_with_different_live_counts_match_float64(mesh_shape):
-    """Data shards skip their own dead tokens (one shard nearly all dead); vocab shards agree on them."""
-    mesh = jax.make_mesh(mesh_shape, ("data", "vocab"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+@pytest.mark.parametrize("pattern", ["uneven", "one_per_shard"])
+def test_shards_with_different_live_counts_match_float64(mesh_shape, axis_type, pattern):
+    """Data shards skip their own dead tokens (different counts, or one live token each); vocab shards agree."""
+    axis = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh(mesh_shape, ("data", "vocab"), axis_types=(axis,) * 2)
     x, _, w = random_problem(8, (4, 32), HIDDEN, VOCAB)
     labels = ignored_labels("random", seed=5, shape=(4, 32))
-    labels[:2, 1:] = -100  # the first data shard: two live tokens; the second: about half
+    if pattern == "uneven":
+        labels[:2, 1:] = -100  # the first data shard: two live tokens; the second: about half
+    else:
+        labels[:2, :], labels[2:, :] = -100, -100
+        labels[0, 5], labels[3, 30] = 7, 901  # one live token on each data shard
     loss_fn = functools.partial(ce_core.sharded_linear_cross_entropy, mesh=mesh, vocab_axis="vocab")
     for case in (Case(), Case(reduction="none", logit_soft_cap=4.0)):
         compare_with_oracle("xla", case, x, labels, w, loss_fn=loss_fn, block_sizes=BlockSizes(b_block_size=16))
