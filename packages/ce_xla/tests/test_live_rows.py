@@ -177,9 +177,9 @@ def test_chunks_of_dead_rows_run_no_matmul(monkeypatch, order, pattern):
     assert len(gradients) == gradient_chunks * (plan.grad_chunks if order == "vocab_outer" else 1)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("order", ORDERS)
-def test_garbage_in_dead_rows_reaches_no_output(order, reduction):
+# rows: several token chunks (24), or one (None: the rows kept in place, masked)
+@pytest.mark.covering(order=ORDERS, reduction=("mean", "none"), rows=(24, None))
+def test_garbage_in_dead_rows_reaches_no_output(order, reduction, rows):
     """NaN rows of ``x`` at ignored tokens (uninitialised padding) leave every output and gradient finite."""
     x, _, w = random_problem(7, (BATCH, SEQ), HIDDEN, VOCAB)
     labels = ignored_labels("padding", seed=4)
@@ -189,7 +189,7 @@ def test_garbage_in_dead_rows_reaches_no_output(order, reduction):
     try:
         def loss(a, b, implementation):
             values = linear_cross_entropy(a, labels, b, implementation=implementation, reduction=reduction,
-                                          block_sizes=BlockSizes(b_block_size=24))
+                                          block_sizes=BlockSizes(b_block_size=rows))
             return jnp.sum(values)
 
         value, (dx, dw) = jax.jit(jax.value_and_grad(functools.partial(loss, implementation=name), (0, 1)))(garbage, w)
@@ -201,9 +201,7 @@ def test_garbage_in_dead_rows_reaches_no_output(order, reduction):
     assert max_rel_error(dx, dx_ref) <= 1e-4  # 0 at the dead rows, as the reference's
 
 
-@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
-@pytest.mark.parametrize("mesh_shape", [(2, 1), (2, 2)])
-@pytest.mark.parametrize("pattern", ["uneven", "one_per_shard"])
+@pytest.mark.covering(axis_type=("Explicit", "Auto"), mesh_shape=((2, 1), (2, 2)), pattern=("uneven", "one_per_shard"))
 def test_shards_with_different_live_counts_match_float64(mesh_shape, axis_type, pattern):
     """Data shards skip their own dead tokens (different counts, or one live token each); vocab shards agree."""
     axis = getattr(jax.sharding.AxisType, axis_type)

@@ -47,7 +47,8 @@ def loop[Carry](count: int | jax.Array, body: Callable[[Any, Carry], Carry], car
 class TokenRows:
     """The token rows a pass visits, and how a chunk of them is read and written.
 
-    ``order is None``: rows ``0..n-1`` in place (contiguous slices). Otherwise ``order`` lists the
+    ``order is None``: rows ``0..n-1`` in place (contiguous slices; with a ``mask``, one chunk of
+    all of them, dead rows zeroed when read). Otherwise ``order`` lists the
     live rows first, in their original order, then the dead ones, and ``live`` counts the live
     ones (``mask`` marks them): a chunk at ``start`` holds rows ``order[start:start + rows]``, gathered,
     and its results are scattered back to those rows. Chunks past the live rows are never run; the last live chunk
@@ -60,11 +61,17 @@ class TokenRows:
     mask: jax.Array | None = None
 
     @classmethod
-    def of(cls, n: int, live_mask: jax.Array | None) -> TokenRows:
-        """All ``n`` rows, or the rows where ``live_mask`` (bool ``[n]``) is set, first."""
+    def of(cls, n: int, live_mask: jax.Array | None, most_rows: int | None = None) -> TokenRows:
+        """All ``n`` rows, or the rows where ``live_mask`` (bool ``[n]``) is set, first.
+
+        ``most_rows``: the largest token chunk the passes use. When it covers all ``n`` rows there is
+        one chunk, which always runs: the rows stay in place (no partition, no gathers), only masked.
+        """
         if live_mask is None:
             return cls(n)
         live_mask = live_mask.astype(bool)
+        if most_rows is not None and most_rows >= n:
+            return cls(n, mask=live_mask)
         live_count = jnp.sum(live_mask, dtype=jnp.int32)
         # A stable partition in O(n): live rows take slots 0.., dead rows slots live_count.. .
         slot = jnp.where(live_mask, jnp.cumsum(live_mask, dtype=jnp.int32) - 1,
@@ -90,7 +97,7 @@ class TokenRows:
         return jnp.asarray(values).at[self.indices(start, rows)].get(unique_indices=True, mode="promise_in_bounds")
 
     def take_rows(self, x: jax.Array, start: jax.Array | int, rows: int) -> jax.Array:
-        """The chunk's rows of ``x`` (``[n, H]``), dead rows as zeros: a dead row the last live chunk computes
+        """The chunk's rows of ``x`` (``[n, H]``), dead rows as zeros: a dead row a live chunk computes
         then has finite logits whatever ``x`` holds there (padding may be garbage), so with its zero
         cotangent it adds exactly nothing to ``dw``."""
         part = self.take(x, start, rows)

@@ -24,11 +24,11 @@ def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, row_scale: jax.Arra
     """Row statistics of ``s cap(x . w)``; ``row_scale`` (``None`` unless asked) is not differentiated, and
     neither is ``live`` (``None``, or the rows that count: the others are skipped where a chunk holds none)."""
     with head.precision_scope(spec.precision):
-        return forward.row_stats(x, w, labels, spec, plan, row_scale, TokenRows.of(x.shape[0], live))
+        return forward.row_stats(x, w, labels, spec, plan, row_scale, _token_rows(x, live, plan))
 
 
 def _row_stats_fwd(x, w, labels, row_scale, live, spec, plan):
-    token_rows = TokenRows.of(x.shape[0], live)
+    token_rows = _token_rows(x, live, plan)
     with head.precision_scope(spec.precision):
         stats = forward.row_stats(x, w, labels, spec, plan, row_scale, token_rows)
     return stats, (x, w, labels, row_scale, token_rows, stats)
@@ -43,3 +43,7 @@ def _row_stats_bwd(spec, plan, residuals, cotangent):
 
 
 row_stats.defvjp(_row_stats_fwd, _row_stats_bwd)
+
+
+def _token_rows(x: jax.Array, live: jax.Array | None, plan: ChunkPlan) -> TokenRows:
+    return TokenRows.of(x.shape[0], live, max(plan.token_chunk, plan.grad_token_chunk))
