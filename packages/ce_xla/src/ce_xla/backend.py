@@ -21,7 +21,6 @@ import numpy as np
 
 from ce_core import Backend, BlockSizes, CotangentFn, PassTiles, Problem, RowStats, StatsSpec, TileReport
 from ce_xla import backward, fused, head, ops, target
-from ce_xla.loops import TokenRows
 from ce_xla.target import target_platform
 from ce_xla.tiling import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks, resolve_order
 
@@ -127,7 +126,7 @@ class XlaBackend(Backend):
         plan = self._plan_for(x, w, spec, live)
         with head.precision_scope(spec.precision):
             return backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, _scale(spec, row_scale),
-                                            token_rows(x, live, plan))
+                                            ops.token_rows(x, _live(live), plan))
 
     def row_stats_and_grads(
         self,
@@ -144,7 +143,7 @@ class XlaBackend(Backend):
         plan = self._plan_for(x, w, spec, live)
         with head.precision_scope(spec.precision):
             return fused.row_stats_and_grads(x, w, labels, spec, plan, cotangent_fn, token_params,
-                                             _scale(spec, row_scale), token_rows(x, live, plan))
+                                             _scale(spec, row_scale), ops.token_rows(x, _live(live), plan))
 
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "
@@ -157,11 +156,6 @@ def _scale(spec: StatsSpec, row_scale: jax.Array | None) -> jax.Array | None:
     if row_scale is None:
         raise ValueError("xla backend: StatsSpec.with_row_scale needs the row_scale argument")
     return jax.lax.stop_gradient(jnp.asarray(row_scale, jnp.float32))
-
-
-def token_rows(x: jax.Array, live: jax.Array | None, plan: ChunkPlan) -> TokenRows:
-    """The rows the passes of ``plan`` visit: every row, or the ``live`` ones first (:class:`TokenRows`)."""
-    return TokenRows.of(x.shape[0], _live(live), max(plan.token_chunk, plan.grad_token_chunk))
 
 
 def _live(live: jax.Array | None) -> jax.Array | None:

@@ -24,26 +24,27 @@ def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, row_scale: jax.Arra
     """Row statistics of ``s cap(x . w)``; ``row_scale`` (``None`` unless asked) is not differentiated, and
     neither is ``live`` (``None``, or the rows that count: the others are skipped where a chunk holds none)."""
     with head.precision_scope(spec.precision):
-        return forward.row_stats(x, w, labels, spec, plan, row_scale, _token_rows(x, live, plan))
+        return forward.row_stats(x, w, labels, spec, plan, row_scale, token_rows(x, live, plan))
 
 
 def _row_stats_fwd(x, w, labels, row_scale, live, spec, plan):
-    token_rows = _token_rows(x, live, plan)
+    rows = token_rows(x, live, plan)
     with head.precision_scope(spec.precision):
-        stats = forward.row_stats(x, w, labels, spec, plan, row_scale, token_rows)
-    return stats, (x, w, labels, row_scale, token_rows, stats)
+        stats = forward.row_stats(x, w, labels, spec, plan, row_scale, rows)
+    return stats, (x, w, labels, row_scale, rows, stats)
 
 
 def _row_stats_bwd(spec, plan, residuals, cotangent):
-    x, w, labels, row_scale, token_rows, stats = residuals
-    stats, cotangent = inert_dead_rows(stats, cotangent, token_rows.mask)
+    x, w, labels, row_scale, rows, stats = residuals
+    stats, cotangent = inert_dead_rows(stats, cotangent, rows.mask)
     with head.precision_scope(spec.precision):
-        dx, dw = backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale, token_rows)
+        dx, dw = backward.row_stats_grads(x, w, labels, stats, cotangent, spec, plan, row_scale, rows)
     return dx, dw, None, None, None
 
 
 row_stats.defvjp(_row_stats_fwd, _row_stats_bwd)
 
 
-def _token_rows(x: jax.Array, live: jax.Array | None, plan: ChunkPlan) -> TokenRows:
+def token_rows(x: jax.Array, live: jax.Array | None, plan: ChunkPlan) -> TokenRows:
+    """The rows the passes of ``plan`` visit: every row, or the ``live`` ones first (:class:`TokenRows`)."""
     return TokenRows.of(x.shape[0], live, max(plan.token_chunk, plan.grad_token_chunk))

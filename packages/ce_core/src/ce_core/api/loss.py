@@ -162,7 +162,7 @@ def loss_with_placement(x: jax.Array, labels: jax.Array, w: jax.Array, placement
     if reduction == "mean":
         token_weights = token_weights / _safe_total(token_weights)
     reduced = _reduced_loss_fn(call.backend, call.spec, config, call.placement, call.live is not None)
-    per_token = tuple(v for v in (call.row_scale, call.live) if v is not None)
+    per_token = ops.per_token_args(call.row_scale, call.live)
     loss, argmax = reduced(call.x, call.w, call.labels, token_weights, *per_token)
     return loss + jnp.sum(call.nan_if_bad), None, call.argmax_out(argmax) if return_argmax else None
 
@@ -185,9 +185,7 @@ def _reduced_loss_fn(backend: Backend, spec: StatsSpec, config: LossConfig, plac
     """
 
     def split(per_token: tuple[jax.Array, ...]) -> tuple[jax.Array | None, jax.Array | None]:
-        rest = list(per_token)
-        scale = rest.pop(0) if spec.with_row_scale else None
-        return scale, rest.pop(0) if with_live else None
+        return ops.split_per_token(spec, with_live, per_token)
 
     def weighted_sum(stats: RowStats, coefficients: jax.Array) -> jax.Array:
         return jnp.sum(coefficients * token_losses(stats, config))

@@ -228,7 +228,7 @@ def _objective(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placeme
         loss, logp, entropy = jnp.zeros((), jnp.float32), empty, empty
     else:
         fused = _fused_objective(call.backend, call.spec, call.placement, token_fn, treedef, call.live is not None)
-        per_token = tuple(v for v in (call.row_scale, call.live) if v is not None)
+        per_token = ops.per_token_args(call.row_scale, call.live)
         loss, logp, entropy = fused(call.x, call.w, call.labels, params, *per_token)
     outputs = [loss + jnp.sum(call.nan_if_bad)]
     for asked, values in ((return_log_probs, logp), (return_entropy, entropy)):
@@ -270,9 +270,7 @@ def _fused_objective(backend: Backend, spec: StatsSpec, placement: Placement, to
     with_entropy = spec.with_expected
 
     def split(per_token: tuple[jax.Array, ...]) -> tuple[jax.Array | None, jax.Array | None]:
-        rest = list(per_token)
-        scale = rest.pop(0) if spec.with_row_scale else None
-        return scale, rest.pop(0) if with_live else None
+        return ops.split_per_token(spec, with_live, per_token)
 
     def log_probs(stats: RowStats) -> tuple[jax.Array, jax.Array | None]:
         logp = stats.label - stats.lse

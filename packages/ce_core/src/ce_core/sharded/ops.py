@@ -94,6 +94,20 @@ def _scale_args(spec: StatsSpec, row_scale: jax.Array | None) -> tuple[jax.Array
     return (jax.lax.stop_gradient(row_scale),)
 
 
+def per_token_args(row_scale: jax.Array | None, live: jax.Array | None) -> tuple[jax.Array, ...]:
+    """The optional per-token inputs of a custom VJP built on these ops, in order: the row scale, then the
+    live mask, each only when given (:func:`split_per_token` reads them back)."""
+    return tuple(value for value in (row_scale, live) if value is not None)
+
+
+def split_per_token(spec: StatsSpec, with_live: bool,
+                    per_token: tuple[jax.Array, ...]) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(row_scale, live)`` from :func:`per_token_args`'s tuple (``None`` for each one absent)."""
+    rest = list(per_token)
+    scale = rest.pop(0) if spec.with_row_scale else None
+    return scale, rest.pop(0) if with_live else None
+
+
 def _live_args(live: jax.Array | None) -> tuple[jax.Array, ...]:
     return () if live is None else (jax.lax.stop_gradient(live),)
 

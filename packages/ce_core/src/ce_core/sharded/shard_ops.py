@@ -51,7 +51,7 @@ def local_vocab(w: jax.Array, spec: StatsSpec) -> int:
     return w.shape[1] if spec.w_layout == "hv" else w.shape[0]
 
 
-def _scale_kw(spec: StatsSpec, row_scale: jax.Array | None, live: jax.Array | None) -> dict[str, Any]:
+def _per_token_kw(spec: StatsSpec, row_scale: jax.Array | None, live: jax.Array | None) -> dict[str, Any]:
     """The ``row_scale`` and ``live`` keywords, each passed only when there is one (older backends take neither)."""
     keywords: dict[str, Any] = {"row_scale": row_scale} if spec.with_row_scale else {}
     if live is not None:
@@ -135,7 +135,7 @@ class RowStatsFn(ShardFn):
         lf = _flat_live(live)
         v = local_vocab(w, self.spec)
         local = self.backend.row_stats(xf, w_, yf - vocab_offset(axes.vocab, v), self.spec,
-                                       **_scale_kw(self.spec, sf, lf))
+                                       **_per_token_kw(self.spec, sf, lf))
         return _stats_out(_dead_rows_zeroed(combine_vocab_shards(local, axes.vocab, v), lf), labels.shape)
 
 
@@ -162,7 +162,7 @@ class RowStatsVjpFn(ShardFn):
         lf = _flat_live(live)
         yf = yf - vocab_offset(axes.vocab, local_vocab(w, self.spec))
         stats_f, ct = inert_dead_rows(stats_f, ct, lf)
-        dx, dw = self.backend.row_stats_vjp(xf, w_, yf, stats_f, ct, self.spec, **_scale_kw(self.spec, sf, lf))
+        dx, dw = self.backend.row_stats_vjp(xf, w_, yf, stats_f, ct, self.spec, **_per_token_kw(self.spec, sf, lf))
         dx = dx.astype(x.dtype).reshape(x.shape)
         return _sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes)
 
@@ -203,11 +203,11 @@ class RowStatsAndGradsFn(ShardFn):
         cf: Any = flat_params[0] if self.n_params is None else flat_params
         v = local_vocab(w, self.spec)
         yf = yf - vocab_offset(axes.vocab, v)
-        scale_kw = _scale_kw(self.spec, sf, lf)
+        per_token_kw = _per_token_kw(self.spec, sf, lf)
         cotangent_fn = self.cotangent_fn
         if axes.vocab:  # each chunk's statistics combined over the shards before its cotangents
             cotangent_fn = functools.partial(_vocab_sharded_cotangents, self.cotangent_fn, axes.vocab, v)
-        stats, dx, dw = self.backend.row_stats_and_grads(xf, w_, yf, self.spec, cotangent_fn, cf, **scale_kw)
+        stats, dx, dw = self.backend.row_stats_and_grads(xf, w_, yf, self.spec, cotangent_fn, cf, **per_token_kw)
         stats = _dead_rows_zeroed(combine_vocab_shards(stats, axes.vocab, v), lf)
         dx = dx.astype(x.dtype).reshape(x.shape)
         grads = (_sum_to(dx, x, axes.vocab, axes), _sum_to(dw.astype(w.dtype), w, axes.tokens, axes))
