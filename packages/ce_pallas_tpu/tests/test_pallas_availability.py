@@ -15,9 +15,9 @@ from ce_core.extend import random_problem
 def test_registered_with_the_contract_it_speaks():
     assert "pallas_tpu" in ce_core.installed_backends()
     backend = ce_core.get_backend("pallas_tpu")
-    # Version 3: it is not handed the live rows of version 4 yet (issue 43), so it computes every row.
-    assert backend.name == "pallas_tpu" and backend.contract_version == 3
-    assert backend.contract_version in ce_core.SUPPORTED_CONTRACT_VERSIONS and not backend.takes_live_rows
+    # Version 4: handed the live rows, its kernels skip token blocks with none (issue 43).
+    assert backend.name == "pallas_tpu" and backend.contract_version == 4
+    assert backend.contract_version in ce_core.SUPPORTED_CONTRACT_VERSIONS and backend.takes_live_rows
 
 
 def test_not_available_on_cpu_without_switches():

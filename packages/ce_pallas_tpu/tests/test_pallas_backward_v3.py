@@ -160,10 +160,10 @@ def test_row_scale_is_given_exactly_when_the_spec_asks(interpret):
         ops.row_stats_vjp(x, w, labels, stats, cot, StatsSpec(w_layout="vh", with_row_scale=True))
 
 
-def test_backend_declares_version_3_and_accepts_the_new_spec_fields(interpret):
+def test_backend_takes_the_version_3_spec_fields(interpret):
     interpret("v5p")
     backend = ce_pallas_tpu.make_backend()
-    assert backend.contract_version == 3
+    assert backend.contract_version >= 3
     f32 = jnp.dtype(jnp.float32)
     for layout, argmax, scaled in itertools.product(("hv", "vh"), (False, True), (False, True)):
         spec = StatsSpec(w_layout=layout, with_argmax=argmax, with_row_scale=scaled, logit_soft_cap=5.0)

@@ -26,7 +26,7 @@ class PallasTpuBackend(Backend):
     """
 
     name = "pallas_tpu"
-    contract_version = 3
+    contract_version = 4
     #: First on TPU.
     default_priority = MappingProxyType({"tpu": 20})
     #: Pallas cannot batch the kernels; under ``vmap`` ce_core folds the batch into the tokens instead.
@@ -81,12 +81,11 @@ class PallasTpuBackend(Backend):
             return kept_logits.plan_chunks(n, h, v, x_dtype, w_dtype, spec)
         return kept_logits.choose(n, h, v, x_dtype, w_dtype, spec, budget_bytes=self.keep_logits_budget_bytes)
 
-    # ``live`` (contract version 4) is in the signatures only: at version 3 ce_core never passes it, and
-    # every row is computed (dead rows' cotangents are zero).
+    # ``live`` (contract version 4): both kernels walk only the token blocks that hold a live row
+    # (:class:`ce_pallas_tpu.common.LiveBlocks`); a dead block does no DMA and no matmul.
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
                   row_scale: jax.Array | None = None, live: jax.Array | None = None) -> RowStats:
-        del live
-        return ops.row_stats(x, w, labels, spec, row_scale=row_scale)
+        return ops.row_stats(x, w, labels, spec, row_scale=row_scale, live=live)
 
     def row_stats_vjp(
         self,
@@ -100,8 +99,7 @@ class PallasTpuBackend(Backend):
         row_scale: jax.Array | None = None,
         live: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        del live
-        return ops.row_stats_vjp(x, w, labels, stats, cotangent, spec, row_scale=row_scale)
+        return ops.row_stats_vjp(x, w, labels, stats, cotangent, spec, row_scale=row_scale, live=live)
 
     def row_stats_and_grads(
         self,
@@ -118,13 +116,13 @@ class PallasTpuBackend(Backend):
         """Where :meth:`kept_plan` gives a plan, the logits kept between the passes
         (:mod:`ce_pallas_tpu.kept_logits`, 6NHV); otherwise the forward kernel, then the backward kernel
         recomputing them (8NHV)."""
-        del live
         v = ops.vocab_size(w, spec)
         plan = self.kept_plan(x.shape[0], x.shape[1], v, x.dtype, w.dtype, spec)
         if plan is not None:
             return kept_logits.row_stats_and_grads(x, w, labels, spec, cotangent_fn, token_params,
-                                                   row_scale=row_scale, plan=plan)
-        return super().row_stats_and_grads(x, w, labels, spec, cotangent_fn, token_params, row_scale=row_scale)
+                                                   row_scale=row_scale, live=live, plan=plan)
+        return super().row_stats_and_grads(x, w, labels, spec, cotangent_fn, token_params, row_scale=row_scale,
+                                           live=live)
 
 
 def make_backend() -> PallasTpuBackend:

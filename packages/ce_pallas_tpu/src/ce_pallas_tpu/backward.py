@@ -138,7 +138,26 @@ class _DxRows(NamedTuple):
     previous_write: Any  # the other slot's write, one token block earlier
 
 
-def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
+class _TokenStep(NamedTuple):
+    """The token axis of a grid step: ``position`` (the step's index along it), ``block`` (the token block
+    it takes: the position itself, or the live block it walks with :class:`common.LiveBlocks`), ``live``
+    (the step has work) and ``last_live`` (the position of the last step with work, which waits for the
+    ``dx`` rows' last write)."""
+
+    position: jax.Array
+    block: jax.Array
+    live: jax.Array | bool
+    last_live: jax.Array | int
+
+
+def _token_step(prefetch, cfg: BackwardConfig) -> _TokenStep:
+    position = pl.program_id(2)
+    block, live = common.step_block(position, prefetch)
+    last_live = cfg.nb - 1 if prefetch is None else prefetch[1][0] - 1
+    return _TokenStep(position, block, live, last_live)
+
+
+def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=None):
     refs = list(rest)
     scale_ref = refs.pop(0) if cfg.with_row_scale else None
     lse_ref, g_lse_ref, g_label_ref = refs.pop(0), refs.pop(0), refs.pop(0)
@@ -151,23 +170,32 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
         dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, *staging = refs
         if cfg.dw_from_running and cfg.dw_to_running:
             running_in = dw_hbm  # aliased: read and written in place
-        _kept_kernel(x_ref, w_ref, z_ref, rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, staging, cfg)
+        _kept_kernel(x_ref, w_ref, z_ref, rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, staging,
+                     _token_step(prefetch, cfg), cfg)
         return
     dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
     dw_remainder = rest_buf[0] if rest_buf else None
 
-    core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    core, jj = pl.program_id(0), pl.program_id(1)
+    t = _token_step(prefetch, cfg)
     block = core * cfg.nv_per_core + jj  # the global vocab block
 
-    def step():
-        dx_rows = _dx_rows(dxp_hbm, dx_buf, sems, core, i, cfg)
+    def work():
+        dx_rows = _dx_rows(dxp_hbm, dx_buf, sems, core, t, cfg)
         _begin_dx_rows(dx_rows, dx_buf, jj)
-        _mask_ragged_operands(x_ref, w_ref, i, block, cfg)
-        d = _logit_cotangent(x_ref, w_ref, None, rows, i, block, cfg)
-        _dw_step(x_ref, d, dw_acc, i, cfg)
+        _mask_ragged_operands(x_ref, w_ref, t.block, block, cfg)
+        d = _logit_cotangent(x_ref, w_ref, None, rows, t.block, block, cfg)
+        _dw_step(x_ref, d, dw_acc, cfg)
+        _dx_step(w_ref, d, dx_buf, dx_rows, t, jj, cfg)
+
+    def step():
+        _zero_dw(dw_acc, t.position)
+        if t.live is True:
+            work()
+        else:
+            pl.when(t.live)(work)
         write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
-        _write_dw(dw_acc, dw_stage, dw_remainder, write, i, jj, block, cfg)
-        _dx_step(w_ref, d, dx_buf, dx_rows, i, jj, cfg)
+        _write_dw(dw_acc, dw_stage, dw_remainder, write, t.position, jj, block, cfg)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
         pl.when(block < cfg.nv)(step)
@@ -176,38 +204,51 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig):
 
 
 def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
-                 staging, cfg: BackwardConfig) -> None:
+                 staging, t: _TokenStep, cfg: BackwardConfig) -> None:
     """Kept-logits mode (:mod:`ce_pallas_tpu.kept_logits`): ``delta`` from the forward's logits; the chunk's
     ``x`` and float32 ``dx`` resident in VMEM; ``dw`` accumulated onto the running sum in two VMEM slots
     that DMAs fill and empty (:func:`_running_dw_dmas`), so no vector pass zeroes, stages or adds a tile.
     The first chunk's slots start at zero instead (:attr:`BackwardConfig.dw_from_running`); the last
     chunk's go out through the recompute kernel's staging buffer in ``w``'s dtype
-    (:attr:`BackwardConfig.dw_to_running`)."""
-    core, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    (:attr:`BackwardConfig.dw_to_running`). The running sum's DMAs follow the grid's positions, so a dead
+    step (:class:`common.LiveBlocks`) still moves ``dw``; only its products and ``dx`` rows are skipped."""
+    core, jj = pl.program_id(0), pl.program_id(1)
+    i, position = t.block, t.position
     block = core * cfg.nv_per_core + jj
     slot = jj % 2
 
-    def step():
-        _prepare_resident_x(x_ref, jj, i, cfg)
-        _mask_ragged_operands(None, w_ref, i, block, cfg)
+    def work():
         _mask_ragged_logits(z_ref, i, block, cfg)
-        _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, cfg)
         d = _logit_cotangent(None, w_ref, z_ref, rows, i, block, cfg)
-        _dw_step(x_ref.at[_token_rows(i, cfg)], d, dw_slots.at[slot], i, cfg)
+        _dw_step(x_ref.at[_token_rows(i, cfg)], d, dw_slots.at[slot], cfg)
+        _dx_resident_step(w_ref, d, dx_acc.at[_token_rows(i, cfg)], jj, cfg)
+
+    def step():
+        _prepare_resident_x(x_ref, jj, position, cfg)
+        _mask_ragged_operands(None, w_ref, i, block, cfg)
+        _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, position, block, cfg)
+        if not cfg.dw_from_running:
+            _zero_dw(dw_slots.at[slot], position)
+        if t.live is True:
+            work()
+        else:
+            pl.when(t.live)(work)
         if cfg.dw_to_running:
-            _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, cfg)
+            _running_dw_write(dw_hbm, dw_slots, sems, jj, position, block, cfg)
         else:
             dw_stage, *remainder = staging
             dw_remainder = remainder[0] if remainder else None
             write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
-            _write_dw(dw_slots.at[slot], dw_stage, dw_remainder, write, i, jj, block, cfg)
-        _dx_resident_step(w_ref, d, dx_acc.at[_token_rows(i, cfg)], jj, cfg)
+            _write_dw(dw_slots.at[slot], dw_stage, dw_remainder, write, position, jj, block, cfg)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
         pl.when(block < cfg.nv)(step)
     else:
         step()
-    _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg)
+    if t.live is True:
+        _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg)
+    else:
+        pl.when(t.live)(lambda: _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg))
 
 
 def _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, cfg: BackwardConfig, *, read: bool):
@@ -319,12 +360,12 @@ def _hidden_chunks(cfg: BackwardConfig) -> list[pl.Slice]:
     return [pl.ds(start, cfg.block_h) for start in range(0, cfg.hp, cfg.block_h)]
 
 
-def _dx_rows(dxp_hbm, dx_buf, sems, core, i, cfg: BackwardConfig) -> _DxRows:
+def _dx_rows(dxp_hbm, dx_buf, sems, core, t: _TokenStep, cfg: BackwardConfig) -> _DxRows:
     # One token block is the whole of N, which need not be a multiple of 8: its rows start at the
     # static 0 (Mosaic cannot prove i * N aligned to the 8-row tiles, though i is always 0 then).
-    start = 0 if cfg.nb == 1 else pl.multiple_of(i * cfg.block_b, cfg.block_b)
+    start = 0 if cfg.nb == 1 else pl.multiple_of(t.block * cfg.block_b, cfg.block_b)
     rows = pl.ds(start, cfg.block_b)
-    slot = i % 2
+    slot = t.position % 2  # consecutive steps alternate slots
     read = pltpu.make_async_copy(dxp_hbm.at[core, rows], dx_buf.at[slot], sems.at[0])
     write = pltpu.make_async_copy(dx_buf.at[slot], dxp_hbm.at[core, rows], sems.at[1])
     previous_write = pltpu.make_async_copy(dx_buf.at[1 - slot], dxp_hbm.at[core, pl.ds(0, cfg.block_b)], sems.at[1])
@@ -444,17 +485,19 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
     return delta.astype(common.mxu_dtype(cfg.precision))
 
 
-def _dw_step(x_ref, d: jax.Array, dw_acc, i, cfg: BackwardConfig) -> None:
-    """The dw tile, accumulated over token blocks in VMEM. The accumulator is zeroed first (kept-logits
-    mode after the first chunk: it holds the running sum's block already) and the product added
-    unconditionally, so the MXU result goes straight into it."""
+def _zero_dw(dw_acc, position) -> None:
+    """The dw accumulator zeroed at a vocab block's first step (kept-logits mode after the first chunk
+    does not: it holds the running sum's block already), live or not, so the product is added
+    unconditionally (:func:`_dw_step`) and a block with no live token writes zeros."""
 
-    if not (cfg.kept_logits and cfg.dw_from_running):
+    @pl.when(position == 0)
+    def _():
+        dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
 
-        @pl.when(i == 0)
-        def _():
-            dw_acc[...] = jnp.zeros(dw_acc.shape, jnp.float32)
 
+def _dw_step(x_ref, d: jax.Array, dw_acc, cfg: BackwardConfig) -> None:
+    """The dw tile, accumulated over token blocks in VMEM (zeroed first, :func:`_zero_dw`): the product is
+    added unconditionally, so the MXU result goes straight into it."""
     for chunk in _hidden_chunks(cfg):
         if cfg.w_layout == "vh" and not cfg.dw_transposed:
             dw_acc[:, chunk] += common.matmul_tn(d, x_ref[:, chunk], cfg.precision)
@@ -555,9 +598,9 @@ def _stage_dw(dw_acc, dw_stage, cfg: BackwardConfig) -> None:
             dw_stage[pl.ds(v, width), pl.ds(h, LANES)] = piece.T.astype(dw_stage.dtype)
 
 
-def _dx_step(w_ref, d: jax.Array, dx_buf, dx_rows: _DxRows, i, jj, cfg: BackwardConfig) -> None:
+def _dx_step(w_ref, d: jax.Array, dx_buf, dx_rows: _DxRows, t: _TokenStep, jj, cfg: BackwardConfig) -> None:
     """The core's dx partial: read-add-write in HBM, the product added straight into the slot; the
-    write of one token block is waited for while the next one computes."""
+    write of one token block is waited for while the next one computes, and the last live one's at once."""
 
     @pl.when(jj > 0)
     def _():
@@ -569,13 +612,13 @@ def _dx_step(w_ref, d: jax.Array, dx_buf, dx_rows: _DxRows, i, jj, cfg: Backward
         else:
             dx_buf[dx_rows.slot, :, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
 
-    @pl.when(i > 0)
+    @pl.when(t.position > 0)
     def _():
         dx_rows.previous_write.wait()
 
     dx_rows.write.start()
 
-    @pl.when(i == cfg.nb - 1)
+    @pl.when(t.position == t.last_live)
     def _():
         dx_rows.write.wait()
 
@@ -593,8 +636,13 @@ def backward_call(
     cfg: BackwardConfig,
     row_scale: jax.Array | None = None,
     kept: tuple[jax.Array, jax.Array | None] | None = None,
+    live_blocks: common.LiveBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dx partials float32 [cores, Np, Hp], dw in w's layout and dtype)``.
+
+    With ``live_blocks`` (of ``cfg.block_b``-row blocks) every vocab block walks the live token blocks
+    only: a dead block is never read and adds nothing, and its rows of the ``dx`` partials are never
+    written (garbage, for the caller to mask).
 
     With ``cfg.kept_logits``, ``kept`` is ``(logits, running_dw)``: the forward's kept raw logits
     (:func:`ce_pallas_tpu.forward.forward_call`) and the float32 sum of earlier chunks' ``dw`` in
@@ -629,6 +677,10 @@ def backward_call(
             dw_shape, dw_dtype = padded, jnp.float32
             if running is not None:
                 aliases = {len(operands) - 1: 0}
+    skipping = live_blocks is not None
+    if live_blocks is not None:  # the scalar-prefetch operands come first
+        operands = [*live_blocks, *operands]
+        aliases = {index + 2: out for index, out in aliases.items()}
     axes, operands = common.per_device_operands(operands, cfg.interpret)
     out_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2  # dw and the dx partials, in HBM (manual DMAs)
     out_shape = [
@@ -653,12 +705,10 @@ def backward_call(
             *remainder,
         ]
     dw, dx_partials = pl.pallas_call(
-        functools.partial(_backward_kernel, cfg=cfg),
-        grid=(cfg.num_cores, cfg.nv_per_core, cfg.nb),
-        in_specs=in_specs,
-        out_specs=out_specs,
+        common.with_prefetch(functools.partial(_backward_kernel, cfg=cfg), skipping),
+        **common.grid_arguments((cfg.num_cores, cfg.nv_per_core, cfg.nb), in_specs, out_specs, scratch, skipping,
+                                token_axis=2, pinned={}),
         out_shape=out_shape,
-        scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
             # The core axis is "parallel": Mosaic spreads it over the TensorCores of the device the
             # call is compiled for (both on v4/v5p megacore) and loops over it on a one-core device.

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from ce_core import BlockSizes, UnsupportedError
 from ce_core.extend import vary, varying_axes_of
@@ -158,3 +160,96 @@ def block_spec(block_shape: tuple[int, ...], index_map, buffering: pl.Buffered |
     if buffering is None:
         return pl.BlockSpec(block_shape, index_map)
     return pl.BlockSpec(block_shape, index_map, pipeline_mode=buffering)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dead token blocks (contract version 4): blocks holding no live token do no DMA and no matmul.
+
+
+class LiveBlocks(NamedTuple):
+    """The token blocks that hold a live token, handed to a kernel by scalar prefetch: ``ids`` (int32
+    ``[nb]``) the live blocks first, in order, then the dead ones; ``count`` (int32 ``[1]``) how many are live.
+
+    The kernel's token axis then walks positions, not blocks: position ``p < count`` is block ``ids[p]``;
+    later positions are dead steps, which keep the last live block's indices in every ``BlockSpec`` (and,
+    where the token axis is not innermost, the last indices of the axes inside it), so the pipeline
+    fetches and writes back nothing new, and their bodies run no matmul.
+    """
+
+    ids: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def of(cls, live: jax.Array, block_b: int) -> LiveBlocks:
+        """The live blocks of ``block_b`` rows of the bool mask ``live [N]`` (rows past ``N`` are dead)."""
+        n = live.shape[0]
+        blocks = pl.cdiv(n, block_b)
+        padded = jnp.pad(live.astype(bool), (0, blocks * block_b - n))
+        block_live = jnp.any(padded.reshape(blocks, block_b), axis=1)
+        ids = jnp.argsort(jnp.logical_not(block_live), stable=True).astype(jnp.int32)
+        return cls(ids, jnp.sum(block_live, dtype=jnp.int32).reshape(1))
+
+
+def token_block(position, ids_ref, count_ref) -> tuple[jax.Array, jax.Array]:
+    """``(block, live)`` of a grid position along the token axis: the live block it walks, or on a dead
+    step the last live one (block ``ids[0]`` when none is live), and whether the step is live."""
+    count = count_ref[0]
+    return ids_ref[jnp.minimum(position, jnp.maximum(count, 1) - 1)], position < count
+
+
+def skipping_specs(specs: list[pl.BlockSpec], token_axis: int, pinned: dict[int, int]) -> list[pl.BlockSpec]:
+    """``specs`` (index maps over the grid's indices) for a grid that walks :class:`LiveBlocks`: each
+    index map takes the scalar-prefetch refs too, maps the token position to its block, and on a dead step
+    pins each axis in ``pinned`` to the index given (the last one it takes), so that no block changes and
+    nothing is fetched or written back. Specs without an index map (``pl.ANY``) are left as they are."""
+
+    def skipping(index_map):
+        def mapped(*args):
+            *grid, ids_ref, count_ref = args
+            block, live = token_block(grid[token_axis], ids_ref, count_ref)
+            grid[token_axis] = block
+            for axis, last in pinned.items():
+                grid[axis] = jnp.where(live, grid[axis], last)
+            return index_map(*grid)
+
+        return mapped
+
+    return [spec if spec.index_map is None else dataclasses.replace(spec, index_map=skipping(spec.index_map))
+            for spec in specs]
+
+
+def both(condition, live):
+    """``condition & live``, or ``condition`` where every step is live (``live is True``)."""
+    return condition if live is True else condition & live
+
+
+def grid_arguments(grid: tuple, in_specs: list, out_specs: list, scratch: list, skipping: bool, *,
+                   token_axis: int, pinned: dict[int, int]) -> dict:
+    """The grid keywords of a ``pallas_call``: plain, or (``skipping``) a grid spec whose first two
+    operands are a :class:`LiveBlocks`' ids and count, prefetched into SMEM, and whose index maps walk
+    the live token blocks (:func:`skipping_specs`)."""
+    if not skipping:
+        return {"grid": grid, "in_specs": in_specs, "out_specs": out_specs, "scratch_shapes": scratch}
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=grid, in_specs=skipping_specs(in_specs, token_axis, pinned),
+        out_specs=skipping_specs(out_specs, token_axis, pinned), scratch_shapes=scratch)
+    return {"grid_spec": spec}
+
+
+def with_prefetch(kernel, skipping: bool):
+    """``kernel(*refs, prefetch=...)`` as a Pallas kernel body: ``prefetch`` is the ``(ids, count)``
+    scalar refs that come first when ``skipping``, else None."""
+
+    def body(*refs):
+        if skipping:
+            return kernel(*refs[2:], prefetch=refs[:2])
+        return kernel(*refs, prefetch=None)
+
+    return body
+
+
+def step_block(position, prefetch) -> tuple[jax.Array, jax.Array | bool]:
+    """``(block, live)`` of a token position: :func:`token_block`, or ``(position, True)`` without prefetch."""
+    if prefetch is None:
+        return position, True
+    return token_block(position, *prefetch)

@@ -135,7 +135,8 @@ def _split_refs(refs, cfg: ForwardConfig):
 
 
 class _Step(NamedTuple):
-    """Where a grid step is: token block ``i``, vocab block ``j`` of its core, hidden block ``k``."""
+    """Where a grid step is: token block ``i``, vocab block ``j`` of its core, hidden block ``k``; ``live``:
+    whether the step has work (False on the dead steps of a grid walking :class:`common.LiveBlocks`)."""
 
     i: jax.Array
     j: jax.Array
@@ -144,15 +145,17 @@ class _Step(NamedTuple):
     last_step: jax.Array  # the core's last step for this token block
     guarded: bool  # the last core may have a block fewer than the others
     in_range: jax.Array | bool  # the step has a vocab block (always, unless guarded)
+    live: jax.Array | bool  # the step's token block holds a live token (always, without prefetch)
 
 
-def _grid_step(cfg: ForwardConfig) -> _Step:
-    core, i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+def _grid_step(cfg: ForwardConfig, prefetch) -> _Step:
+    core, j, k = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    i, live = common.step_block(pl.program_id(1), prefetch)
     block = core * cfg.nv_per_core + j
     last_step = (j == cfg.nv_per_core - 1) & (k == cfg.nh - 1)
     guarded = cfg.nv_per_core * cfg.num_cores != cfg.nv
     in_range = block < cfg.nv if guarded else True
-    return _Step(i, j, k, block, last_step, guarded, in_range)
+    return _Step(i, j, k, block, last_step, guarded, in_range, live)
 
 
 def _slot(ref, at: EllipsisType | jax.Array) -> EllipsisType | jax.Array:
@@ -226,7 +229,7 @@ def _split_labels(refs, cfg: ForwardConfig):
     return (refs[0], refs[1:]) if cfg.label_in_kernel else (None, refs)
 
 
-def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig):
+def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig, prefetch=None):
     """Per-lane statistics (see the module docs), in two slots, so that a step reads the previous
     step's and writes its own before its overflow check is known, and a redo still finds the state
     from before the step; the reference has one, since only an exact step moves it."""
@@ -234,7 +237,7 @@ def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig):
     s_ref, refs = _split_row_scale(refs, cfg)
     z_ref, refs = _split_kept(refs, cfg)
     outs, stat_refs, (redo_ref,) = _split_refs(refs, cfg)
-    step = _grid_step(cfg)
+    step = _grid_step(cfg, prefetch)
     if cfg.hidden != cfg.hp:
         _zero_hidden_tail(x_ref, w_ref, cfg)
     block_start = step.block * cfg.block_v
@@ -250,16 +253,17 @@ def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig):
     exact = step.j == 0
     if cfg.v % cfg.block_v:
         exact = exact | (step.block == cfg.nv - 1)
-    redo_ref[0] = exact.astype(jnp.int32)
+    # A dead step (no live token in its block) takes neither branch and writes nothing.
+    redo_ref[0] = common.both(exact, step.live).astype(jnp.int32)
 
     if cfg.block_v % LANES == 0:  # else the block is the row's only one (block_v == V), always taken exactly
-        pl.when(step.in_range & jnp.logical_not(exact))(
+        pl.when(common.both(step.in_range & jnp.logical_not(exact), step.live))(
             lambda: _streamed_step(x_ref, w_ref, s_ref, z_ref, labels, block_start, stat_refs, redo_ref, step.i,
                                    previous, current, cfg))
     pl.when(step.in_range & (redo_ref[0] != 0))(
         lambda: _exact_step(x_ref, w_ref, labels, s_ref, z_ref, block_start, stat_refs, step.j, previous, current,
                             cfg))
-    pl.when(step.last_step)(lambda: _finish_streamed(outs, stat_refs, step, previous, current))
+    pl.when(common.both(step.last_step, step.live))(lambda: _finish_streamed(outs, stat_refs, step, previous, current))
 
 
 def _product(x_ref, w_ref, first: int, width: int, cfg: ForwardConfig) -> jax.Array:
@@ -334,22 +338,22 @@ def _finish_streamed(outs, stat_refs, step: _Step, previous, current) -> None:
 # The blocked kernel: the hidden dimension in blocks.
 
 
-def _blocked_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig):
+def _blocked_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig, prefetch=None):
     """The logit tile summed over hidden blocks in a VMEM scratch, then per-row online statistics."""
     s_ref, refs = _split_row_scale(refs, cfg)
     z_ref, refs = _split_kept(refs, cfg)
     outs, stat_refs, (acc_ref,) = _split_refs(refs, cfg)
-    step = _grid_step(cfg)
+    step = _grid_step(cfg, prefetch)
     pl.when((step.j == 0) & (step.k == 0))(lambda: _write_state(stat_refs, _initial_state(stat_refs)))
 
     def accumulate():
         _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, z_ref, acc_ref, stat_refs, step, cfg)
 
-    if step.guarded:
-        pl.when(step.in_range)(accumulate)
+    if step.guarded or step.live is not True:
+        pl.when(common.both(step.in_range, step.live))(accumulate)
     else:
         accumulate()
-    pl.when(step.last_step)(lambda: _write_outputs(outs, _read_state(stat_refs)))
+    pl.when(common.both(step.last_step, step.live))(lambda: _write_outputs(outs, _read_state(stat_refs)))
 
 
 def _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, z_ref, acc_ref, stat_refs, step: _Step,
@@ -377,7 +381,8 @@ def _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, z_ref, acc_ref, stat_re
 
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig,
                  row_scale: jax.Array | None = None,
-                 kept_shape: tuple[int, int] | None = None) -> tuple[jax.Array, ...]:
+                 kept_shape: tuple[int, int] | None = None,
+                 live_blocks: common.LiveBlocks | None = None) -> tuple[jax.Array, ...]:
     """Per-core partial statistics, each ``[cores, N, 1]``: ``(lse[, label][, sum][, expected][, max,
     argmax])``, float32 but argmax int32; the label logit when ``cfg.label_in_kernel`` (else
     :func:`label_logits` gives it). With ``cfg.keep_logits`` a last output follows: the raw logits,
@@ -387,10 +392,14 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
 
     ``x`` is ``[N, H]``, ``w`` is ``[H, V]`` (``cfg.w_layout == "hv"``) or ``[V, H]`` (``"vh"``),
     ``labels`` is int32 ``[N, 1]``, ``row_scale`` float32 ``[N, 1]`` exactly when ``cfg.with_row_scale``.
+
+    With ``live_blocks`` (of ``cfg.block_b``-row blocks) the grid walks the live token blocks only: a dead
+    block is never read, and its rows of every output are never written (garbage, for the caller to mask).
     """
     nvc, nv = cfg.nv_per_core, cfg.nv
     if cfg.with_row_scale != (row_scale is not None):
         raise ValueError("forward_call: row_scale must be given exactly when cfg.with_row_scale")
+    skipping = live_blocks is not None
 
     def w_block(c, i, j, k):
         block = jnp.minimum(c * nvc + j, nv - 1)
@@ -412,6 +421,8 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         inputs.append(row_scale)
     num_out = cfg.n_stats
     stat_spec = pl.BlockSpec((pl.squeezed, cfg.block_b, 1), lambda c, i, j, k: (c, i, 0))
+    if live_blocks is not None:
+        inputs = [*live_blocks, *inputs]
     axes, inputs = common.per_device_operands(inputs, cfg.interpret)
     # The last statistic is the argmax, the only integer one.
     out_dtypes = [jnp.float32] * (num_out - 1) + [jnp.int32 if cfg.with_argmax else jnp.float32]
@@ -434,18 +445,20 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         scratch = [pltpu.VMEM((cfg.block_b, LANES) if index == 0 else (2, cfg.block_b, LANES), dtype)
                    for index, dtype in enumerate(stat_dtypes)]
         scratch.append(pltpu.SMEM((1,), jnp.int32))  # whether this step is taken exactly
+    kernel = functools.partial(_blocked_kernel if cfg.nh > 1 else _streamed_kernel, cfg=cfg)
     return pl.pallas_call(
-        functools.partial(_blocked_kernel if cfg.nh > 1 else _streamed_kernel, cfg=cfg),
-        grid=(cfg.num_cores, cfg.nb, nvc, cfg.nh),
-        in_specs=in_specs,
-        out_specs=out_specs,
+        common.with_prefetch(kernel, skipping),
+        # A dead step keeps the last live step's vocab and hidden blocks too.
+        **common.grid_arguments((cfg.num_cores, cfg.nb, nvc, cfg.nh), in_specs, out_specs, scratch, skipping,
+                                token_axis=1, pinned={2: nvc - 1, 3: cfg.nh - 1}),
         out_shape=out_shape,
-        scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
             # The core axis is "parallel", not "core_parallel": Mosaic spreads it over the TensorCores
             # of the device the call is compiled for (both on v4/v5p megacore), and a one-core device
-            # (a v4 topology without megacore) loops over it instead of refusing to compile.
-            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+            # (a v4 topology without megacore) loops over it instead of refusing to compile. Walking the
+            # live token blocks, the token axis is "arbitrary": its dead steps revisit the last live
+            # block's outputs, which needs the steps in order.
+            dimension_semantics=("parallel", "arbitrary" if skipping else "parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes,
         ),
         interpret=cfg.interpret,

@@ -43,7 +43,17 @@ from ce_pallas_tpu import cost_model, tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
 from ce_pallas_tpu.layout import cdiv, round_up
-from ce_pallas_tpu.ops import Plan, make_plan, merge_partials, problem_shape, vocab_size
+from ce_pallas_tpu.ops import (
+    Plan,
+    dead_rows_zeroed,
+    dead_rows_zeroed_dx,
+    inert_rows,
+    live_blocks,
+    make_plan,
+    merge_partials,
+    problem_shape,
+    vocab_size,
+)
 from ce_pallas_tpu.target import Target, current_target
 
 #: The most tokens per chunk (``None``: :func:`default_chunk` decides; tests set a small number): the
@@ -342,16 +352,20 @@ def row_stats_and_grads(
     token_params: Any,
     *,
     row_scale: jax.Array | None = None,
+    live: jax.Array | None = None,
     plan: KeptPlan | None = None,
 ) -> tuple[RowStats, jax.Array, jax.Array]:
     """Statistics, ``dx`` (``x``'s dtype) and ``dw`` (``w``'s dtype and layout) of ``cotangent_fn``'s
-    cotangents, chunk by chunk with the logits kept (module docs)."""
+    cotangents, chunk by chunk with the logits kept (module docs). With ``live`` (bool ``[N]``) both
+    kernels skip each chunk's token blocks that hold no live row (:class:`ce_pallas_tpu.common.LiveBlocks`);
+    dead rows' statistics are 0 (``cotangent_fn`` sees them so), their ``dx`` rows 0."""
     n, h = x.shape
     v = vocab_size(w, spec)
     plan = plan_chunks(n, h, v, x.dtype, w.dtype, spec) if plan is None else plan
     rows = plan.chunk
     y = labels.astype(jnp.int32)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
+    live = None if live is None else live.reshape(-1).astype(bool)
 
     def chunk(index, carry, cfg: BackwardConfig):
         stats, dx, dw = carry
@@ -360,16 +374,19 @@ def row_stats_and_grads(
         piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
         x_c, y_c = piece(x), piece(y).reshape(-1, 1)
         s_c = None if scale is None else piece(scale).reshape(-1, 1)
-        partials = forward_call(x_c, w, y_c, plan.forward, s_c, plan.logits_shape)
+        live_c = None if live is None else piece(live)
+        partials = forward_call(x_c, w, y_c, plan.forward, s_c, plan.logits_shape,
+                                live_blocks=live_blocks(live_c, plan.forward.block_b))
         logits = partials[-1]
-        stats_c = merge_partials(list(partials[:-1]), x_c, w, y_c, plan.forward, s_c)
+        stats_c = dead_rows_zeroed(merge_partials(list(partials[:-1]), x_c, w, y_c, plan.forward, s_c), live_c)
         smooth = stats_c._replace(max=None, argmax=None)
         cotangent = cotangent_fn(smooth, jax.tree.map(piece, token_params))
         if n % rows:  # rows an earlier chunk owned add nothing now
             owned = jnp.arange(rows, dtype=jnp.int32) + start >= first_new
             cotangent = jax.tree.map(lambda g: jnp.where(owned, g, 0.0), cotangent)
-        dx_partials, dw = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, cfg)
+        dx_partials, dw = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, cfg, live_c)
         dx_c = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
+        dx_c = dead_rows_zeroed_dx(dx_c[:rows], live_c)
         # Each row's dx comes from one chunk (an overlapped row's second is 0), so x's dtype holds it exactly.
         dx_c = (piece(dx).astype(jnp.float32) + dx_c[:rows, :h]).astype(dx.dtype)
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, 0)
@@ -390,20 +407,23 @@ def row_stats_and_grads(
     return carry
 
 
-def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, cfg: BackwardConfig):
-    """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's)``."""
+def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, cfg: BackwardConfig,
+              live: jax.Array | None):
+    """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's)``;
+    dead rows (``live`` false) made inert, dead token blocks skipped."""
 
     def column(g: jax.Array | None) -> jax.Array | None:
         return None if g is None else g.astype(jnp.float32).reshape(-1, 1)
 
+    lse, expected_rows, cotangent = inert_rows(stats.lse, stats.expected, cotangent, live)
     g_sum = column(cotangent.sum) if cfg.with_sum else None
     expected = g_expected = None
     if cfg.with_expected:
-        expected, g_expected = column(stats.expected), column(cotangent.expected)
-    lse, g_lse, g_label = column(stats.lse), column(cotangent.lse), column(cotangent.label)
+        expected, g_expected = column(expected_rows), column(cotangent.expected)
+    lse, g_lse, g_label = column(lse), column(cotangent.lse), column(cotangent.label)
     assert lse is not None and g_lse is not None and g_label is not None
     return backward_call(x_c, w, y_c, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, s_c,
-                         kept=(logits, running_dw))
+                         kept=(logits, running_dw), live_blocks=live_blocks(live, cfg.block_b))
 
 
 def _empty_stats(n: int, spec: StatsSpec) -> RowStats:

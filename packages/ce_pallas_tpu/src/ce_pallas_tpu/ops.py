@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ce_core import PassTiles, RowStats, StatsSpec, TileReport
 from ce_pallas_tpu import tile_cache, tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
-from ce_pallas_tpu.common import mxu_dtype, resolve_precision
+from ce_pallas_tpu.common import LiveBlocks, mxu_dtype, resolve_precision
 from ce_pallas_tpu.cost_model import Shape
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, label_logits, merge_argmax, merge_cores, merge_expected
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
@@ -161,26 +161,65 @@ def vocab_size(w: jax.Array, spec: StatsSpec) -> int:
 
 
 def row_stats(x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
-              row_scale: jax.Array | None = None) -> RowStats:
+              row_scale: jax.Array | None = None, live: jax.Array | None = None) -> RowStats:
     """lse, label logit and (optionally) logit sum, expected logit, max logit and its index of
     ``s * cap(x @ w)`` from the kernels; ``w`` in ``spec.w_layout``, ``row_scale`` (float32 ``[N]``, not
-    differentiated) exactly when ``spec.with_row_scale``."""
+    differentiated) exactly when ``spec.with_row_scale``. With ``live`` (bool ``[N]``) token blocks with
+    no live row are skipped by both kernels (:class:`ce_pallas_tpu.common.LiveBlocks`); dead rows'
+    statistics are 0, their ``dx`` rows 0, and they add nothing to ``dw``."""
     n, h = x.shape
     plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
-    return _row_stats(x, w, (labels, _row_scale_column(row_scale, plan)), plan)
+    return _row_stats(x, w, (labels, _row_scale_column(row_scale, plan), _live(live)), plan)
 
 
 def row_stats_vjp(x: jax.Array, w: jax.Array, labels: jax.Array, stats: RowStats, cotangent: RowStats,
-                  spec: StatsSpec, *, row_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  spec: StatsSpec, *, row_scale: jax.Array | None = None,
+                  live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``dx, dw`` of the statistics from the backward kernel alone, given the rows' whole-vocab
     ``stats`` (their lse, and their expected logit when ``spec.with_expected``); ``row_scale``
-    (float32 ``[N]``) exactly when ``spec.with_row_scale``. ``dw`` has the layout of ``w``."""
+    (float32 ``[N]``) exactly when ``spec.with_row_scale``; ``live`` as for :func:`row_stats`. ``dw`` has
+    the layout of ``w``."""
     n, h = x.shape
     plan = make_plan(n, h, vocab_size(w, spec), x.dtype, w.dtype, spec)
     y = labels.astype(jnp.int32).reshape(-1, 1)
     scale = _row_scale_column(row_scale, plan)
-    dx, dw = _row_stats_bwd(plan, (x, w, y, stats.lse, stats.expected, scale), cotangent)[:2]
+    dx, dw = _row_stats_bwd(plan, (x, w, y, stats.lse, stats.expected, scale, _live(live)), cotangent)[:2]
     return dx, dw
+
+
+def _live(live: jax.Array | None) -> jax.Array | None:
+    return None if live is None else jax.lax.stop_gradient(live.reshape(-1).astype(bool))
+
+
+def dead_rows_zeroed(stats: RowStats, live: jax.Array | None) -> RowStats:
+    """``stats`` with dead rows' statistics 0: the kernels never write the rows of dead token blocks."""
+    if live is None:
+        return stats
+    return jax.tree.map(lambda s: jnp.where(live, s, jnp.zeros((), s.dtype)), stats)
+
+
+def inert_rows(lse: jax.Array, expected: jax.Array | None, cotangents: RowStats, live: jax.Array | None):
+    """``(lse, expected, cotangents)`` with dead rows inert for the backward kernel: ``lse = +inf`` (so
+    ``p = 0``), the rest 0, so a dead row in a live token block has ``delta = 0`` whatever its logits."""
+    if live is None:
+        return lse, expected, cotangents
+    lse = jnp.where(live, lse, jnp.inf)
+    expected = None if expected is None else jnp.where(live, expected, 0.0)
+    def dead_zero(g: jax.Array | None) -> jax.Array | None:
+        return None if g is None else jnp.where(live, g, jnp.zeros((), g.dtype))
+
+    cotangents = cotangents._replace(lse=dead_zero(cotangents.lse), label=dead_zero(cotangents.label),
+                                     sum=dead_zero(cotangents.sum), expected=dead_zero(cotangents.expected))
+    return lse, expected, cotangents
+
+
+def live_blocks(live: jax.Array | None, block_b: int) -> LiveBlocks | None:
+    return None if live is None else LiveBlocks.of(live, block_b)
+
+
+def dead_rows_zeroed_dx(dx: jax.Array, live: jax.Array | None) -> jax.Array:
+    """``dx`` rows of dead tokens 0 (those of dead token blocks were never written: garbage)."""
+    return dx if live is None else jnp.where(live[:, None], dx, jnp.zeros((), dx.dtype))
 
 
 def _row_scale_column(row_scale: jax.Array | None, plan: Plan) -> jax.Array | None:
@@ -191,15 +230,16 @@ def _row_scale_column(row_scale: jax.Array | None, plan: Plan) -> jax.Array | No
 
 
 def _forward(x, w, inputs, plan: Plan):
-    """The statistics, and the residuals ``(x, w, y, lse, expected, row scale column or None)``.
+    """The statistics, and the residuals ``(x, w, y, lse, expected, row scale column or None, live or None)``.
 
-    ``inputs`` is ``(labels, row scale as a float32 [N, 1] column or None)``: one argument of the
-    custom VJP, whose cotangent is None as a whole (neither is differentiated).
+    ``inputs`` is ``(labels, row scale as a float32 [N, 1] column or None, live mask or None)``: one
+    argument of the custom VJP, whose cotangent is None as a whole (none is differentiated).
     """
-    labels, scale = inputs
+    labels, scale, live = inputs
     y = labels.astype(jnp.int32).reshape(-1, 1)
-    stats = merge_partials(list(forward_call(x, w, y, plan.forward, scale)), x, w, y, plan.forward, scale)
-    return stats, (x, w, y, stats.lse, stats.expected, scale)
+    partials = forward_call(x, w, y, plan.forward, scale, live_blocks=live_blocks(live, plan.forward.block_b))
+    stats = dead_rows_zeroed(merge_partials(list(partials), x, w, y, plan.forward, scale), live)
+    return stats, (x, w, y, stats.lse, stats.expected, scale, live)
 
 
 def merge_partials(partials: list[jax.Array], x: jax.Array, w: jax.Array, y: jax.Array, cfg: ForwardConfig,
@@ -225,7 +265,8 @@ def _row_stats_fwd(x, w, inputs, plan: Plan):
 
 
 def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
-    x, w, y, lse, expected, row_scale = residuals
+    x, w, y, lse, expected, row_scale, live = residuals
+    lse, expected, cotangents = inert_rows(lse, expected, cotangents, live)
 
     def column(g: jax.Array) -> jax.Array:
         return g.astype(jnp.float32).reshape(-1, 1)
@@ -238,9 +279,10 @@ def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
             raise ValueError("pallas_tpu: the expected logit's cotangent needs the rows' expected logit")
         expected_column, g_expected = column(expected), column(cotangents.expected)
     dx_partials, dw = backward_call(x, w, y, column(lse), column(cotangents.lse), column(cotangents.label),
-                                    g_sum, expected_column, g_expected, cfg, row_scale)
+                                    g_sum, expected_column, g_expected, cfg, row_scale,
+                                    live_blocks=live_blocks(live, cfg.block_b))
     dx = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
-    return dx[: plan.n, : plan.h].astype(x.dtype), dw, None
+    return dead_rows_zeroed_dx(dx[: plan.n, : plan.h], live).astype(x.dtype), dw, None
 
 
 _row_stats.defvjp(_row_stats_fwd, _row_stats_bwd)
