@@ -43,6 +43,12 @@ A grid step, in program order: the ``dx`` rows' read started (:func:`_begin_dx_r
 operands masked (:func:`_mask_ragged_operands`), ``delta`` formed (:func:`_logit_cotangent`), then
 the ``dw`` step (:func:`_dw_step`; at a vocab block's last token block, :func:`_write_dw`) and the
 ``dx`` step (:func:`_dx_step`), the products in ``block_h``-row chunks of the hidden dimension.
+
+Handed :class:`ce_pallas_tpu.common.LiveBlocks` (contract version 4), each vocab block's sweep walks the
+live token blocks first, and its dead steps keep the last live block's indices and skip every product
+and ``dx`` DMA (:class:`_TokenStep`: what follows the token *block*, row masks and ``dx`` offsets, and what
+follows the grid *position*, the ``dw`` accumulator's zeroing and write); a dead block's ``dx`` rows are
+never written.
 """
 
 from __future__ import annotations
@@ -190,10 +196,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
 
     def step():
         _zero_dw(dw_acc, t.position)
-        if t.live is True:
-            work()
-        else:
-            pl.when(t.live)(work)
+        common.when_live(t.live, work)
         write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
         _write_dw(dw_acc, dw_stage, dw_remainder, write, t.position, jj, block, cfg)
 
@@ -229,10 +232,7 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, 
         _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, position, block, cfg)
         if not cfg.dw_from_running:
             _zero_dw(dw_slots.at[slot], position)
-        if t.live is True:
-            work()
-        else:
-            pl.when(t.live)(work)
+        common.when_live(t.live, work)
         if cfg.dw_to_running:
             _running_dw_write(dw_hbm, dw_slots, sems, jj, position, block, cfg)
         else:
@@ -245,10 +245,7 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, 
         pl.when(block < cfg.nv)(step)
     else:
         step()
-    if t.live is True:
-        _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg)
-    else:
-        pl.when(t.live)(lambda: _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg))
+    common.when_live(t.live, lambda: _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg))
 
 
 def _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, cfg: BackwardConfig, *, read: bool):

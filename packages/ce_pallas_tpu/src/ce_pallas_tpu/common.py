@@ -168,16 +168,16 @@ def block_spec(block_shape: tuple[int, ...], index_map, buffering: pl.Buffered |
 
 class LiveBlocks(NamedTuple):
     """The token blocks that hold a live token, handed to a kernel by scalar prefetch: ``ids`` (int32
-    ``[nb]``) the live blocks first, in order, then the dead ones; ``count`` (int32 ``[1]``) how many are live.
+    ``[nb]``) the live blocks first, in order, then the dead ones; ``n_live`` (int32 ``[1]``) how many are live.
 
-    The kernel's token axis then walks positions, not blocks: position ``p < count`` is block ``ids[p]``;
+    The kernel's token axis then walks positions, not blocks: position ``p < n_live`` is block ``ids[p]``;
     later positions are dead steps, which keep the last live block's indices in every ``BlockSpec`` (and,
     where the token axis is not innermost, the last indices of the axes inside it), so the pipeline
     fetches and writes back nothing new, and their bodies run no matmul.
     """
 
     ids: jax.Array
-    count: jax.Array
+    n_live: jax.Array
 
     @classmethod
     def of(cls, live: jax.Array, block_b: int) -> LiveBlocks:
@@ -216,6 +216,14 @@ def skipping_specs(specs: list[pl.BlockSpec], token_axis: int, pinned: dict[int,
 
     return [spec if spec.index_map is None else dataclasses.replace(spec, index_map=skipping(spec.index_map))
             for spec in specs]
+
+
+def when_live(live, body) -> None:
+    """Run ``body`` on a step with work: under ``pl.when(live)``, or unconditionally where every step is live."""
+    if live is True:
+        body()
+    else:
+        pl.when(live)(body)
 
 
 def both(condition, live):

@@ -47,6 +47,11 @@ selects per logit cost 0.002-0.004 of the static schedule's ratio on v5e/v5p but
 the same; a max alone 0.020). With ``with_row_scale``
 a float32 column ``s [N, 1]``, blocked like the labels, multiplies the capped logits of each row
 before any statistic.
+
+Handed :class:`ce_pallas_tpu.common.LiveBlocks` (contract version 4: the token blocks holding a live
+token), the grid walks those blocks first: a dead step keeps the last live step's block indices (the
+vocab and hidden axes pinned to their last), so nothing is fetched, and takes no branch; its rows of
+the outputs are never written. The token axis is then "arbitrary" (the dead steps revisit a block).
 """
 
 from __future__ import annotations

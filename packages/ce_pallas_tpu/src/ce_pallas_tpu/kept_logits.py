@@ -46,11 +46,11 @@ from ce_pallas_tpu.layout import cdiv, round_up
 from ce_pallas_tpu.ops import (
     Plan,
     dead_rows_zeroed,
-    dead_rows_zeroed_dx,
     inert_rows,
     live_blocks,
     make_plan,
     merge_partials,
+    merged_dx,
     problem_shape,
     vocab_size,
 )
@@ -385,10 +385,9 @@ def row_stats_and_grads(
             owned = jnp.arange(rows, dtype=jnp.int32) + start >= first_new
             cotangent = jax.tree.map(lambda g: jnp.where(owned, g, 0.0), cotangent)
         dx_partials, dw = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, cfg, live_c)
-        dx_c = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
-        dx_c = dead_rows_zeroed_dx(dx_c[:rows], live_c)
+        dx_c = merged_dx(dx_partials, rows, h, live_c)
         # Each row's dx comes from one chunk (an overlapped row's second is 0), so x's dtype holds it exactly.
-        dx_c = (piece(dx).astype(jnp.float32) + dx_c[:rows, :h]).astype(dx.dtype)
+        dx_c = (piece(dx).astype(jnp.float32) + dx_c).astype(dx.dtype)
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, 0)
         put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0)  # noqa: E731
         stats = jax.tree.map(put, stats, stats_c)

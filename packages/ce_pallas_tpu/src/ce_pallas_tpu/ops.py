@@ -217,9 +217,14 @@ def live_blocks(live: jax.Array | None, block_b: int) -> LiveBlocks | None:
     return None if live is None else LiveBlocks.of(live, block_b)
 
 
-def dead_rows_zeroed_dx(dx: jax.Array, live: jax.Array | None) -> jax.Array:
-    """``dx`` rows of dead tokens 0 (those of dead token blocks were never written: garbage)."""
-    return dx if live is None else jnp.where(live[:, None], dx, jnp.zeros((), dx.dtype))
+def merged_dx(dx_partials: jax.Array, n: int, h: int, live: jax.Array | None) -> jax.Array:
+    """``dx [n, h]`` (float32) from the backward kernel's per-core partials ``[cores, Np, Hp]``, dead rows 0
+    (a dead token block's rows were never written: garbage). The mask goes on every partial before the
+    sum over cores, so XLA fuses it into the one reduction (masking the sum kept a second ``[N, H]``)."""
+    rows = dx_partials[:, :n, :h]
+    if live is not None:
+        rows = jnp.where(live[None, :, None], rows, jnp.zeros((), rows.dtype))
+    return jnp.sum(rows, axis=0) if rows.shape[0] > 1 else rows[0]
 
 
 def _row_scale_column(row_scale: jax.Array | None, plan: Plan) -> jax.Array | None:
@@ -281,8 +286,7 @@ def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
     dx_partials, dw = backward_call(x, w, y, column(lse), column(cotangents.lse), column(cotangents.label),
                                     g_sum, expected_column, g_expected, cfg, row_scale,
                                     live_blocks=live_blocks(live, cfg.block_b))
-    dx = jnp.sum(dx_partials, axis=0) if dx_partials.shape[0] > 1 else dx_partials[0]
-    return dead_rows_zeroed_dx(dx[: plan.n, : plan.h], live).astype(x.dtype), dw, None
+    return merged_dx(dx_partials, plan.n, plan.h, live).astype(x.dtype), dw, None
 
 
 _row_stats.defvjp(_row_stats_fwd, _row_stats_bwd)

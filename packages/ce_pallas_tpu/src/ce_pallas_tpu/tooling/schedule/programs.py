@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
-from ce_pallas_tpu.common import KernelConfig
+from ce_pallas_tpu.common import KernelConfig, LiveBlocks
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
 from ce_pallas_tpu.layout import cdiv
 
@@ -45,9 +45,17 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     return cfg
 
 
-def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str,
-                   sharding: jax.sharding.Sharding) -> tuple[Callable[..., Any], tuple[jax.ShapeDtypeStruct, ...]]:
-    """``(fn, operands)``: ``jax.jit(fn).lower(*operands)`` compiles just that kernel for ``cfg``."""
+def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str, sharding: jax.sharding.Sharding,
+                   live_blocks: int | None = None) -> tuple[Callable[..., Any], tuple[jax.ShapeDtypeStruct, ...]]:
+    """``(fn, operands)``: ``jax.jit(fn).lower(*operands)`` compiles just that kernel for ``cfg``.
+
+    ``live_blocks``: the kernel walks that many live token blocks (the first ones, constants of the
+    program, so the static profile follows them), as a call with ignored tokens does; ``None``: the
+    kernel without the walk (every block), as a ``return_lse`` call runs it.
+    """
+    blocks = None
+    if live_blocks is not None:
+        blocks = LiveBlocks(jnp.arange(cfg.nb, dtype=jnp.int32), jnp.full((1,), min(live_blocks, cfg.nb), jnp.int32))
 
     def operand(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
@@ -60,7 +68,7 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str,
     if kernel == "forward":
         assert isinstance(cfg, ForwardConfig), cfg
         shape = logits_shape if kept else None
-        return (lambda x_, w_, y_: forward_call(x_, w_, y_, cfg, kept_shape=shape)), (x, w, labels)
+        return (lambda x_, w_, y_: forward_call(x_, w_, y_, cfg, kept_shape=shape, live_blocks=blocks)), (x, w, labels)
     assert isinstance(cfg, BackwardConfig), cfg
     column = operand((cfg.n, 1), jnp.float32)
     n_optional = cfg.with_sum + 2 * cfg.with_expected  # g_sum, then expected and g_expected
@@ -73,6 +81,7 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str,
         g_sum = rest.pop(0) if cfg.with_sum else None
         expected, g_expected = (rest.pop(0), rest.pop(0)) if cfg.with_expected else (None, None)
         kept_in = (rest.pop(0), rest.pop(0)) if kept else None
-        return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, kept=kept_in)
+        return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, kept=kept_in,
+                             live_blocks=blocks)
 
     return backward, (x, w, labels, *columns, *kept_operands)
