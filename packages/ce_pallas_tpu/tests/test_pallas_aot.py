@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import ce_core
-from ce_core.extend import CompileResult, compile_program
+from ce_core.extend import CompileResult, compile_program, register_backend, unregister_backend
 from ce_pallas_tpu import kept_logits, ops, target, tiling
 from ce_pallas_tpu.tooling import aot
 
@@ -228,3 +228,24 @@ def test_tied_heads_that_half_fill_a_256_wide_mxu_compile_with_dw_transposed(gen
     result = compile_value_and_grad(generation, objective, (n, h), (v, h))
     assert result.ok and result.temp_bytes is not None, result.error
     assert result.temp_bytes <= hbm_bound(n, h, v)
+
+
+@pytest.mark.parametrize("generation,keep", [("v5p", False), ("v5p", True), ("v6e", False)])
+def test_walking_the_live_blocks_costs_no_temporaries_beyond_token_sized_vectors(generation, keep):
+    """The kernels handed the live tokens (contract version 4) against the same backend told none (version 3,
+    every block): the block ids, counts and masks are ``[N]``-sized, and nothing ``[N, H]`` is added (the
+    dead ``dx`` rows are masked inside the one reduction over the cores)."""
+    from ce_pallas_tpu.backend import PallasTpuBackend
+
+    class EveryBlock(PallasTpuBackend):
+        contract_version = 3
+
+    register_backend("pallas_tpu_every_block", EveryBlock, replace=True)
+    try:
+        n, h, v = 2048, 4096, 32000
+        walking, every = (aot.compile_loss_and_grads(generation, n, h, v, implementation=name, keep_logits=keep)
+                          for name in ("pallas_tpu", "pallas_tpu_every_block"))
+    finally:
+        unregister_backend("pallas_tpu_every_block")
+    assert walking.ok and every.ok and walking.temp_bytes is not None and every.temp_bytes is not None
+    assert walking.temp_bytes <= every.temp_bytes + 64 * n, (walking.temp_bytes, every.temp_bytes)

@@ -1,14 +1,16 @@
 """A toolkit for checking backends: float64 oracles, random problems, and a parity check.
 
 :func:`oracle` and :func:`log_probs_oracle` share no code with ce_core's loss: they materialise the
-logits in float64 and apply the formulas of the README directly, so backends (and ce_core itself)
-can be checked against them. :func:`random_problem` draws inputs whose logits are of order 1,
-:func:`max_rel_error` compares, and :func:`compare_with_oracle` runs a backend through the public
-loss with every option of a :class:`Case` and asserts it matches the oracle (value, gradients,
-dtypes) within :data:`TOLERANCES`. A new backend's test suite can be a loop over cases.
-:class:`CompileResult` and :func:`compile_program` time a compile and read the memory it needs,
-which tests can bound exactly (``memory_analysis()`` is deterministic). :func:`covering_array` turns a
-product of options into the few rows that still meet every pair of values once.
+logits in float64 and apply the formulas of the README directly, so backends (and ce_core itself) can be
+checked against them; :func:`distillation_oracle` does the same for a distillation loss between a
+student head and a teacher head (:mod:`ce_core.distillation_oracle` states its conventions).
+:func:`random_problem` draws inputs whose logits are of order 1, :func:`max_rel_error` compares, and
+:func:`compare_with_oracle` runs a backend through the public loss with every option of a :class:`Case`
+and asserts it matches the oracle (value, gradients, dtypes) within :data:`TOLERANCES`. A new backend's
+test suite can be a loop over cases. :class:`CompileResult` and :func:`compile_program` time a compile
+and read the memory it needs, which tests can bound exactly (``memory_analysis()`` is deterministic).
+:func:`covering_array` turns a product of options into the few rows that still meet every pair of values
+once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from ce_core.api.loss import linear_cross_entropy
 from ce_core.contract.compiled import CompileResult, compile_program
+from ce_core.distillation_oracle import distillation_oracle
 
 __all__ = [
     "TOLERANCES",
@@ -32,6 +35,7 @@ __all__ = [
     "compare_with_oracle",
     "compile_program",
     "covering_array",
+    "distillation_oracle",
     "log_probs_oracle",
     "max_rel_error",
     "oracle",

@@ -167,16 +167,20 @@ def block_spec(block_shape: tuple[int, ...], index_map, buffering: pl.Buffered |
 
 
 class LiveBlocks(NamedTuple):
-    """The token blocks that hold a live token, handed to a kernel by scalar prefetch: ``ids`` (int32
-    ``[nb]``) the live blocks first, in order, then the dead ones; ``n_live`` (int32 ``[1]``) how many are live.
+    """The token blocks that hold a live token, handed to a kernel by scalar prefetch: ``walk`` (int32
+    ``[nb]``) what each grid position along the token axis takes, the live blocks first, in order, then,
+    for every dead step, ``~last`` (``-1 - last``, negative) with ``last`` the last live block (0 when none
+    is live); ``n_live`` (int32 ``[1]``) how many are live.
 
-    The kernel's token axis then walks positions, not blocks: position ``p < n_live`` is block ``ids[p]``;
-    later positions are dead steps, which keep the last live block's indices in every ``BlockSpec`` (and,
-    where the token axis is not innermost, the last indices of the axes inside it), so the pipeline
-    fetches and writes back nothing new, and their bodies run no matmul.
+    The kernel's token axis then walks positions, not blocks: position ``p < n_live`` is live block
+    ``walk[p]``; later positions are dead steps, which keep the last live block's indices in every
+    ``BlockSpec`` (and, where the token axis is not innermost, the last indices of the axes inside it), so
+    the pipeline fetches and writes back nothing new, and their bodies run no matmul. A position's block
+    and liveness come from one scalar: the interpreter evaluates every index map at every step, and each
+    scalar it reads there is a call out to its simulated memory.
     """
 
-    ids: jax.Array
+    walk: jax.Array
     n_live: jax.Array
 
     @classmethod
@@ -187,14 +191,18 @@ class LiveBlocks(NamedTuple):
         padded = jnp.pad(live.astype(bool), (0, blocks * block_b - n))
         block_live = jnp.any(padded.reshape(blocks, block_b), axis=1)
         ids = jnp.argsort(jnp.logical_not(block_live), stable=True).astype(jnp.int32)
-        return cls(ids, jnp.sum(block_live, dtype=jnp.int32).reshape(1))
+        count = jnp.sum(block_live, dtype=jnp.int32)
+        positions = jnp.arange(blocks, dtype=jnp.int32)
+        last = ids[jnp.maximum(count, 1) - 1]
+        return cls(jnp.where(positions < count, ids, jnp.bitwise_not(last)), count.reshape(1))
 
 
-def token_block(position, ids_ref, count_ref) -> tuple[jax.Array, jax.Array]:
-    """``(block, live)`` of a grid position along the token axis: the live block it walks, or on a dead
-    step the last live one (block ``ids[0]`` when none is live), and whether the step is live."""
-    count = count_ref[0]
-    return ids_ref[jnp.minimum(position, jnp.maximum(count, 1) - 1)], position < count
+def token_block(position, walk_ref) -> tuple[jax.Array, jax.Array]:
+    """``(block, live)`` of a grid position along the token axis: the block it takes (on a dead step the
+    last live one) and whether the step is live, from :attr:`LiveBlocks.walk`."""
+    taken = walk_ref[position]
+    live = taken >= 0
+    return jnp.where(live, taken, jnp.bitwise_not(taken)), live
 
 
 def skipping_specs(specs: list[pl.BlockSpec], token_axis: int, pinned: dict[int, int]) -> list[pl.BlockSpec]:
@@ -205,8 +213,8 @@ def skipping_specs(specs: list[pl.BlockSpec], token_axis: int, pinned: dict[int,
 
     def skipping(index_map):
         def mapped(*args):
-            *grid, ids_ref, count_ref = args
-            block, live = token_block(grid[token_axis], ids_ref, count_ref)
+            *grid, walk_ref, _ = args
+            block, live = token_block(grid[token_axis], walk_ref)
             grid[token_axis] = block
             for axis, last in pinned.items():
                 grid[axis] = jnp.where(live, grid[axis], last)
@@ -234,7 +242,7 @@ def both(condition, live):
 def grid_arguments(grid: tuple, in_specs: list, out_specs: list, scratch: list, skipping: bool, *,
                    token_axis: int, pinned: dict[int, int]) -> dict:
     """The grid keywords of a ``pallas_call``: plain, or (``skipping``) a grid spec whose first two
-    operands are a :class:`LiveBlocks`' ids and count, prefetched into SMEM, and whose index maps walk
+    operands are a :class:`LiveBlocks`' walk and count, prefetched into SMEM, and whose index maps walk
     the live token blocks (:func:`skipping_specs`)."""
     if not skipping:
         return {"grid": grid, "in_specs": in_specs, "out_specs": out_specs, "scratch_shapes": scratch}
@@ -245,7 +253,7 @@ def grid_arguments(grid: tuple, in_specs: list, out_specs: list, scratch: list, 
 
 
 def with_prefetch(kernel, skipping: bool):
-    """``kernel(*refs, prefetch=...)`` as a Pallas kernel body: ``prefetch`` is the ``(ids, count)``
+    """``kernel(*refs, prefetch=...)`` as a Pallas kernel body: ``prefetch`` is the ``(walk, count)``
     scalar refs that come first when ``skipping``, else None."""
 
     def body(*refs):
@@ -260,4 +268,4 @@ def step_block(position, prefetch) -> tuple[jax.Array, jax.Array | bool]:
     """``(block, live)`` of a token position: :func:`token_block`, or ``(position, True)`` without prefetch."""
     if prefetch is None:
         return position, True
-    return token_block(position, *prefetch)
+    return token_block(position, prefetch[0])

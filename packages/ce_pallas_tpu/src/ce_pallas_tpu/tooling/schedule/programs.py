@@ -55,7 +55,7 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str, s
     """
     blocks = None
     if live_blocks is not None:
-        blocks = LiveBlocks(jnp.arange(cfg.nb, dtype=jnp.int32), jnp.full((1,), min(live_blocks, cfg.nb), jnp.int32))
+        blocks = LiveBlocks.of(jnp.arange(cfg.n) < min(live_blocks, cfg.nb) * cfg.block_b, cfg.block_b)
 
     def operand(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
