@@ -98,7 +98,8 @@ CASES = {"plain": {}, "sum+cap": {"reduction": "sum", "logit_soft_cap": 3.0},
 
 @pytest.mark.parametrize("pattern,target,path", [("prompts", "v5e", "kept"), ("one", "v5p", "recompute")])
 def test_ignored_patterns_match_float64(interpret, monkeypatch, pattern, target, path):
-    """The fast tier's two: prompts on one core through the kept logits, one live token on two cores recomputing."""
+    """The fast tier's two: prompts on one core through the kept logits, one live token on two cores recomputing
+    (the interpreter tier counts the products and runs every pattern)."""
     interpret(target)
     monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 48)  # three chunks, the last overlapping
     _check_loss(pattern, "hv", path == "kept", "float32", {})
@@ -160,7 +161,8 @@ def _counting(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> dict[s
     return counters
 
 
-@pytest.mark.parametrize("path", ["recompute", pytest.param("kept", marks=pytest.mark.interpreter)])
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["recompute", "kept"])
 def test_dead_blocks_run_no_matmul(interpret, monkeypatch, path):
     """Every product of both kernels runs once per live token block: none for a dead one (a counter in
     the interpreted products, against the count with no token ignored)."""
