@@ -115,3 +115,22 @@ def test_max_rel_error():
     assert max_rel_error([1e-8], [1e-16], floor=1e-2) < 1e-5
     with pytest.raises(ValueError, match="shapes differ"):
         max_rel_error([1.0], [1.0, 2.0])
+
+
+def test_ignored_labels_ignore_what_each_pattern_names():
+    """The ignored-token patterns the live-rows tests share: a prompt is a prefix and padding a suffix of each
+    sequence, ``one`` leaves exactly one token, and the live labels are in range."""
+    from ce_core.testing import IGNORED_PATTERNS, ignored_labels
+
+    shape, vocab = (3, 40), 7
+    ignored = {p: ignored_labels(p, shape, vocab, seed=1) == -100 for p in IGNORED_PATTERNS}
+    assert not ignored["none"].any() and ignored["all"].all() and (~ignored["one"]).sum() == 1
+    for row in ignored["prompts"]:
+        assert 0 < row.sum() < shape[1] and row[: row.sum()].all()  # a prefix, a completion after it
+    for row in ignored["padding"]:
+        assert row.sum() < shape[1] and row[shape[1] - row.sum():].all()  # a suffix, at least one token kept
+    assert 0.3 < ignored["random"].mean() < 0.7
+    live = ignored_labels("random", shape, vocab, seed=1)
+    assert ((live == -100) | ((live >= 0) & (live < vocab))).all()
+    with pytest.raises(ValueError, match="pattern"):
+        ignored_labels("prefix", shape, vocab)

@@ -170,7 +170,7 @@ def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interp
     # Both cores' blocks, the last core's missing one included: 3 blocks of 128 split 2 + 1 -> 4.
     assert columns == 4 * 128
     assert plan.running_dw_shape == (256, 3 * 128)  # H padded to 256, whole vocab blocks
-    assert plan.extra_bytes == 4 * (3 * rows * columns + 256 * 384)  # first, loop and last chunks' logits
+    assert plan.extra_bytes == 4 * (rows * columns + 256 * 384)  # one logits buffer through the chunks
 
 
 def test_the_default_keeps_where_the_budget_allows_and_keeping_pays():
@@ -190,9 +190,9 @@ def test_the_default_keeps_where_the_budget_allows_and_keeping_pays():
     assert kept_logits.choose(*llama, bf16, bf16, spec, v5e) is None  # its float32 dw alone is 2.1 GB > 2 GiB
     assert kept_logits.choose(*llama, bf16, bf16, spec, v5p, budget_bytes=0) is None
     assert kept_logits.choose(16384, 8192, 128256, bf16, bf16, spec, v6e) is None  # 70B: 4.2 GB of float32 dw
-    # Gemma-2 2B on v5p: 1024-token chunks would hold more than 4 GiB; 512-token ones fit.
-    gemma = kept_logits.choose(16384, 2304, 256000, bf16, bf16, spec, v5p)
-    assert kept_logits.plan_chunks(16384, 2304, 256000, bf16, bf16, spec, v5p).extra_bytes > 4 * 2**30
+    # Gemma-2 9B on v5p: 1024-token chunks would hold more than 4 GiB; 512-token ones fit.
+    gemma = kept_logits.choose(16384, 3584, 256000, bf16, bf16, spec, v5p)
+    assert kept_logits.plan_chunks(16384, 3584, 256000, bf16, bf16, spec, v5p).extra_bytes > 4 * 2**30
     assert gemma is not None and gemma.chunk == 512 and gemma.extra_bytes <= 4 * 2**30
     # A few tokens: the float32 dw's traffic costs more than the recompute's matmuls (v6e's ridge is 560 flop/B).
     assert kept_logits.choose(256, 4096, 128256, bf16, bf16, spec, v6e) is None

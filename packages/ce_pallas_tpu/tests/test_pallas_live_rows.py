@@ -19,7 +19,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import ce_core
-from ce_core import BlockSizes, linear_cross_entropy, linear_log_probs
+from ce_core import BlockSizes, linear_cross_entropy, linear_log_probs, testing
 from ce_core.extend import Case, compare_with_oracle, log_probs_oracle, max_rel_error, oracle, random_problem
 from ce_pallas_tpu import common, kept_logits
 from ce_pallas_tpu.common import LiveBlocks
@@ -35,25 +35,8 @@ def _fresh_traces():
 
 
 def ignored_labels(pattern: str, seed: int = 0, shape: tuple[int, ...] = (BATCH, SEQ)) -> np.ndarray:
-    """Labels of ``shape`` with the tokens ``pattern`` names set to ``-100``."""
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, VOCAB, shape).astype(np.int32)
-    positions = np.arange(shape[-1])
-    if pattern == "all":
-        labels[...] = -100
-    elif pattern == "prompts":  # a prompt of its own length before each completion
-        prompt = rng.integers(shape[-1] // 3, 2 * shape[-1] // 3, shape[:-1])
-        labels[positions < prompt[..., None]] = -100
-    elif pattern == "padding":  # each sequence padded after its own length
-        length = rng.integers(1, shape[-1], shape[:-1])
-        labels[positions >= length[..., None]] = -100
-    elif pattern == "random":
-        labels[rng.random(shape) < 0.5] = -100
-    elif pattern == "one":
-        keep = labels.reshape(-1)[17]
-        labels[...] = -100
-        labels.reshape(-1)[17] = keep
-    return labels
+    """Labels of ``shape`` with the tokens ``pattern`` names ignored (:func:`ce_core.testing.ignored_labels`)."""
+    return testing.ignored_labels(pattern, shape, VOCAB, seed=seed)
 
 
 def test_live_blocks_walk_the_live_ones_in_order_then_stay_on_the_last():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ce_core
-from ce_core import BlockSizes, linear_cross_entropy, linear_log_probs, linear_token_objective
+from ce_core import BlockSizes, linear_cross_entropy, linear_log_probs, linear_token_objective, testing
 from ce_core.extend import (
     Case,
     compare_with_oracle,
@@ -33,7 +33,7 @@ from ce_core.extend import (
 from ce_xla import XlaBackend
 
 BATCH, SEQ, HIDDEN, VOCAB = 2, 61, 32, 1000
-PATTERNS = ("none", "all", "prompts", "padding", "random", "one")
+PATTERNS = testing.IGNORED_PATTERNS
 #: chunking -> (backend options, block sizes): several 24-row token chunks with full rows, or vocab tiles.
 CHUNKINGS = {
     "full_rows": ({"grad_budget_bytes": 1}, BlockSizes(b_block_size=24)),
@@ -43,25 +43,8 @@ ORDERS = ("tokens_outer", "vocab_outer")
 
 
 def ignored_labels(pattern: str, seed: int = 0, shape: tuple[int, ...] = (BATCH, SEQ)) -> np.ndarray:
-    """Labels of ``shape`` with the tokens ``pattern`` names set to ``-100``."""
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, VOCAB, shape).astype(np.int32)
-    positions = np.arange(shape[-1])
-    if pattern == "all":
-        labels[...] = -100
-    elif pattern == "prompts":  # a prompt of its own length before each completion
-        prompt = rng.integers(shape[-1] // 3, 2 * shape[-1] // 3, shape[:-1])
-        labels[positions < prompt[..., None]] = -100
-    elif pattern == "padding":  # each sequence padded after its own length
-        length = rng.integers(1, shape[-1], shape[:-1])
-        labels[positions >= length[..., None]] = -100
-    elif pattern == "random":
-        labels[rng.random(shape) < 0.5] = -100
-    elif pattern == "one":
-        keep = labels.reshape(-1)[17]
-        labels[...] = -100
-        labels.reshape(-1)[17] = keep
-    return labels
+    """Labels of ``shape`` with the tokens ``pattern`` names ignored (:func:`ce_core.testing.ignored_labels`)."""
+    return testing.ignored_labels(pattern, shape, VOCAB, seed=seed)
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from ce_core.contract.compiled import CompileResult, compile_program
 from ce_core.distillation_oracle import distillation_oracle
 
 __all__ = [
+    "IGNORED_PATTERNS",
     "TOLERANCES",
     "Case",
     "CompileResult",
@@ -36,6 +37,7 @@ __all__ = [
     "compile_program",
     "covering_array",
     "distillation_oracle",
+    "ignored_labels",
     "log_probs_oracle",
     "max_rel_error",
     "oracle",
@@ -233,6 +235,38 @@ def log_probs_oracle(
         "dx": (delta @ w.T).reshape(x.shape),
         "dw": x2.T @ delta,
     }
+
+
+#: The ignored-token patterns :func:`ignored_labels` makes: what RL and completion-only batches hold.
+IGNORED_PATTERNS = ("none", "all", "prompts", "padding", "random", "one")
+
+
+def ignored_labels(pattern: str, shape: tuple[int, ...], vocab: int, *, seed: int = 0,
+                   ignore_index: int = -100) -> np.ndarray:
+    """Random int32 labels below ``vocab`` of ``shape`` (``[..., sequence]``), with the tokens ``pattern``
+    names set to ``ignore_index``: ``"none"``; ``"all"``; ``"prompts"`` (each sequence's first third to two
+    thirds, its own length); ``"padding"`` (each sequence's tail after a length of its own, at least 1);
+    ``"random"`` (each token with probability 1/2); ``"one"`` (all but the flat token 17)."""
+    if pattern not in IGNORED_PATTERNS:
+        raise ValueError(f"pattern must be one of {IGNORED_PATTERNS}, got {pattern!r}")
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, vocab, shape).astype(np.int32)
+    positions = np.arange(shape[-1])
+    if pattern == "all":
+        labels[...] = ignore_index
+    elif pattern == "prompts":
+        prompt = rng.integers(shape[-1] // 3, 2 * shape[-1] // 3, shape[:-1])
+        labels[positions < prompt[..., None]] = ignore_index
+    elif pattern == "padding":
+        length = rng.integers(1, shape[-1], shape[:-1])
+        labels[positions >= length[..., None]] = ignore_index
+    elif pattern == "random":
+        labels[rng.random(shape) < 0.5] = ignore_index
+    elif pattern == "one":
+        keep = labels.reshape(-1)[17]
+        labels[...] = ignore_index
+        labels.reshape(-1)[17] = keep
+    return labels
 
 
 def random_problem(

@@ -264,6 +264,16 @@ def with_prefetch(kernel, skipping: bool):
     return body
 
 
+def without_ref(kernel, index: int):
+    """``kernel`` as a body that takes one more ref, at ``index``, and ignores it (an operand passed
+    only for its buffer: an output aliased to it)."""
+
+    def body(*refs, **keywords):
+        return kernel(*refs[:index], *refs[index + 1:], **keywords)
+
+    return body
+
+
 def step_block(position, prefetch) -> tuple[jax.Array, jax.Array | bool]:
     """``(block, live)`` of a token position: :func:`token_block`, or ``(position, True)`` without prefetch."""
     if prefetch is None:

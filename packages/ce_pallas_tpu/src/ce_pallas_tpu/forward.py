@@ -387,7 +387,8 @@ def _accumulate_hidden_block(x_ref, w_ref, y_ref, s_ref, z_ref, acc_ref, stat_re
 def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig,
                  row_scale: jax.Array | None = None,
                  kept_shape: tuple[int, int] | None = None,
-                 live_blocks: common.LiveBlocks | None = None) -> tuple[jax.Array, ...]:
+                 live_blocks: common.LiveBlocks | None = None,
+                 logits_into: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Per-core partial statistics, each ``[cores, N, 1]``: ``(lse[, label][, sum][, expected][, max,
     argmax])``, float32 but argmax int32; the label logit when ``cfg.label_in_kernel`` (else
     :func:`label_logits` gives it). With ``cfg.keep_logits`` a last output follows: the raw logits,
@@ -400,6 +401,10 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
 
     With ``live_blocks`` (of ``cfg.block_b``-row blocks) the grid walks the live token blocks only: a dead
     block is never read, and its rows of every output are never written (garbage, for the caller to mask).
+
+    ``logits_into`` (float32 ``kept_shape``, with ``cfg.keep_logits``) is donated: the kept logits are
+    written into it in place, so a chunk loop carries one logits buffer (blocks the grid does not write
+    keep what they held).
     """
     nvc, nv = cfg.nv_per_core, cfg.nv
     if cfg.with_row_scale != (row_scale is not None):
@@ -426,8 +431,17 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         inputs.append(row_scale)
     num_out = cfg.n_stats
     stat_spec = pl.BlockSpec((pl.squeezed, cfg.block_b, 1), lambda c, i, j, k: (c, i, 0))
+    aliases, kernel_inputs = {}, len(in_specs)
+    if logits_into is not None:
+        if not cfg.keep_logits or logits_into.shape != kept_shape or logits_into.dtype != jnp.float32:
+            raise ValueError(f"forward_call: logits_into must be float32 {kept_shape} with cfg.keep_logits, "
+                             f"got {logits_into.dtype} {logits_into.shape}")
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))  # never read: only its buffer is reused
+        inputs.append(logits_into)
     if live_blocks is not None:
         inputs = [*live_blocks, *inputs]
+    if logits_into is not None:
+        aliases = {len(inputs) - 1: num_out}  # the kept logits, the output after the statistics
     axes, inputs = common.per_device_operands(inputs, cfg.interpret)
     # The last statistic is the argmax, the only integer one.
     out_dtypes = [jnp.float32] * (num_out - 1) + [jnp.int32 if cfg.with_argmax else jnp.float32]
@@ -451,12 +465,15 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
                    for index, dtype in enumerate(stat_dtypes)]
         scratch.append(pltpu.SMEM((1,), jnp.int32))  # whether this step is taken exactly
     kernel = functools.partial(_blocked_kernel if cfg.nh > 1 else _streamed_kernel, cfg=cfg)
+    if logits_into is not None:
+        kernel = common.without_ref(kernel, kernel_inputs)
     return pl.pallas_call(
         common.with_prefetch(kernel, skipping),
         # A dead step keeps the last live step's vocab and hidden blocks too.
         **common.grid_arguments((cfg.num_cores, cfg.nb, nvc, cfg.nh), in_specs, out_specs, scratch, skipping,
                                 token_axis=1, pinned={2: nvc - 1, 3: cfg.nh - 1}),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
             # The core axis is "parallel", not "core_parallel": Mosaic spreads it over the TensorCores
             # of the device the call is compiled for (both on v4/v5p megacore), and a one-core device

@@ -123,17 +123,12 @@ class KeptPlan:
         return (dataclasses.replace(b, dw_from_running=False), b, dataclasses.replace(b, dw_to_running=False))
 
     @property
-    def logits_buffers(self) -> int:
-        """Kept-logits buffers XLA may hold at once: the first and the last chunk run outside the loop, and
-        their buffers are not always shared with the loop's (v5e, 3 chunks: three buffers, measured)."""
-        return 1 if self.chunks == 1 else 3
-
-    @property
     def extra_bytes(self) -> int:
-        """HBM this path may hold beyond the recompute path's: the chunks' kept logits (:attr:`logits_buffers`)
-        and (over several chunks) the float32 running dw."""
+        """HBM this path holds beyond the recompute path's: one chunk's kept logits (every chunk's forward
+        writes into the same buffer, :func:`row_stats_and_grads`) and (over several chunks) the float32
+        running dw."""
         running = math.prod(self.running_dw_shape) if self.chunks > 1 else 0
-        return 4 * (self.logits_buffers * math.prod(self.logits_shape) + running)
+        return 4 * (math.prod(self.logits_shape) + running)
 
 
 def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
@@ -213,7 +208,7 @@ def budgeted_plan(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Stat
     plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target)
     if plan.extra_bytes > budget_bytes:
         logits_room = budget_bytes - 4 * math.prod(plan.running_dw_shape)
-        fitting = logits_room // (4 * plan.logits_buffers * plan.logits_shape[1]) // 512 * 512
+        fitting = logits_room // (4 * plan.logits_shape[1]) // 512 * 512
         if MIN_BUDGET_CHUNK_TOKENS <= fitting < plan.chunk:
             plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target, chunk_tokens=fitting)
     return plan
@@ -368,7 +363,7 @@ def row_stats_and_grads(
     live = None if live is None else live.reshape(-1).astype(bool)
 
     def chunk(index, carry, cfg: BackwardConfig):
-        stats, dx, dw = carry
+        stats, dx, dw, kept = carry
         first_new = index * rows
         start = jnp.minimum(first_new, n - rows) if n % rows else first_new
         piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
@@ -376,7 +371,7 @@ def row_stats_and_grads(
         s_c = None if scale is None else piece(scale).reshape(-1, 1)
         live_c = None if live is None else piece(live)
         partials = forward_call(x_c, w, y_c, plan.forward, s_c, plan.logits_shape,
-                                live_blocks=live_blocks(live_c, plan.forward.block_b))
+                                live_blocks=live_blocks(live_c, plan.forward.block_b), logits_into=kept)
         logits = partials[-1]
         stats_c = dead_rows_zeroed(merge_partials(list(partials[:-1]), x_c, w, y_c, plan.forward, s_c), live_c)
         smooth = stats_c._replace(max=None, argmax=None)
@@ -385,25 +380,30 @@ def row_stats_and_grads(
             owned = jnp.arange(rows, dtype=jnp.int32) + start >= first_new
             cotangent = jax.tree.map(lambda g: jnp.where(owned, g, 0.0), cotangent)
         dx_partials, dw = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, cfg, live_c)
+        # The next chunk's forward writes into this buffer: only once this backward has read it (without
+        # the barrier XLA may run that forward first, on a copy: a second logits buffer).
+        logits, dw = jax.lax.optimization_barrier((logits, dw))
         dx_c = merged_dx(dx_partials, rows, h, live_c)
         # Each row's dx comes from one chunk (an overlapped row's second is 0), so x's dtype holds it exactly.
         dx_c = (piece(dx).astype(jnp.float32) + dx_c).astype(dx.dtype)
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, 0)
         put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, start, 0)  # noqa: E731
         stats = jax.tree.map(put, stats, stats_c)
-        return stats, dx, dw
+        return stats, dx, dw, logits
 
     # The first chunk starts the float32 running dw (no zeroed buffer read); the chunks between add onto
     # it in place; the last one writes the finished dw in w's dtype (no slice and cast after the loop).
     first, middle, last = plan.backward_configs
-    carry = vary_like((_empty_stats(n, spec), jnp.zeros((n, h), x.dtype), None), x, w, labels, token_params,
-                      row_scale)
+    # The first chunk's forward makes the logits buffer; every later one writes into it (one buffer).
+    carry = vary_like((_empty_stats(n, spec), jnp.zeros((n, h), x.dtype), None, None), x, w, labels,
+                      token_params, row_scale)
     carry = chunk(0, carry, first)
     if plan.chunks > 2:
         carry = jax.lax.fori_loop(1, plan.chunks - 1, functools.partial(chunk, cfg=middle), carry)
     if plan.chunks > 1:
         carry = chunk(plan.chunks - 1, carry, last)
-    return carry
+    stats, dx, dw, _ = carry
+    return stats, dx, dw
 
 
 def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, cfg: BackwardConfig,
