@@ -4,6 +4,7 @@ Importing this package imports no backend; a backend is loaded the first time it
 """
 
 from ce_core import policy
+from ce_core.api.distillation import linear_distillation_loss
 from ce_core.api.log_probs import linear_log_probs
 from ce_core.api.loss import linear_cross_entropy
 from ce_core.api.objective import TokenFn, TokenObjectiveOptions, linear_token_objective
@@ -66,6 +67,7 @@ __all__ = [
     "get_backend",
     "installed_backends",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "linear_log_probs",
     "linear_token_objective",
     "localize_cotangent",

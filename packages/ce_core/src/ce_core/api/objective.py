@@ -151,6 +151,17 @@ def linear_token_objective(x: ArrayLike, labels: ArrayLike, w: ArrayLike, token_
         float, or concrete labels outside ``[0, V)`` (under ``jit`` the loss is NaN instead).
       UnsupportedError: the named backend cannot run this call.
     """
+    return token_objective(x, labels, w, token_fn, token_inputs, return_log_probs=return_log_probs,
+                           return_entropy=return_entropy, **options)
+
+
+def token_objective(x: ArrayLike, labels: ArrayLike, w: ArrayLike, token_fn: TokenFn, token_inputs: Any = None,
+                    *, return_log_probs: bool = False, return_entropy: bool = False, label_and_lse: bool = False,
+                    **options: Unpack[TokenObjectiveOptions]) -> jax.Array | tuple[jax.Array, ...]:
+    """:func:`linear_token_objective`; with ``label_and_lse`` ``token_fn`` sees the label's logit and the lse
+    (``token_fn(label, lse, inputs)``, no entropy) instead of ``logp`` and the entropy, so that a loss may
+    weigh them apart (``ce_core.linear_distillation_loss``: the teacher's mass on the lse, the hard label's
+    weight on the label) with no cancelling terms in its gradient."""
     settings, _, temperature = Options.of("linear_token_objective", TokenObjectiveOptions, options)
     for name, flag in (("return_log_probs", return_log_probs), ("return_entropy", return_entropy)):
         if not isinstance(flag, bool):
@@ -158,12 +169,12 @@ def linear_token_objective(x: ArrayLike, labels: ArrayLike, w: ArrayLike, token_
     x, labels, w, _ = validation.input_arrays(x, labels, w, None, settings.w_layout)
     temperature_tokens = None if temperature is None else validation.temperature_tokens(temperature, labels.shape)
     leaves, treedef = token_input_leaves(token_inputs, labels.shape)
-    reads_entropy = inspect_token_fn(token_fn, leaves, treedef)
+    reads_entropy = not label_and_lse and inspect_token_fn(token_fn, leaves, treedef)
     placement = find_placement(x, labels, w, settings.vocab_axis_name, settings.in_specs, settings.w_layout)
     return run_placed(_objective, x, labels, w, placement, temperature_tokens=temperature_tokens, options=settings,
                       token_inputs=leaves, token_fn=token_fn, treedef=treedef,
                       with_entropy=reads_entropy or return_entropy, return_log_probs=return_log_probs,
-                      return_entropy=return_entropy)
+                      return_entropy=return_entropy, label_and_lse=label_and_lse)
 
 
 def token_input_leaves(token_inputs: Any, shape: tuple[int, ...]) -> tuple[tuple[jax.Array, ...], Any]:
@@ -217,7 +228,7 @@ def inspect_token_fn(token_fn: Any, leaves: tuple[jax.Array, ...], treedef: Any)
 def _objective(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placement, *, weights: None,
                temperature_tokens: jax.Array | None, options: Options, token_inputs: tuple[jax.Array, ...],
                token_fn: TokenFn, treedef: Any, with_entropy: bool, return_log_probs: bool,
-               return_entropy: bool) -> jax.Array | tuple[jax.Array, ...]:
+               return_entropy: bool, label_and_lse: bool) -> jax.Array | tuple[jax.Array, ...]:
     """:func:`linear_token_objective` on validated arguments, run as ``placement`` says."""
     call = prepare(x, labels, w, placement, weights=weights, options=options, with_sum=False,
                    with_expected=with_entropy, temperature_tokens=temperature_tokens)
@@ -227,7 +238,8 @@ def _objective(x: jax.Array, labels: jax.Array, w: jax.Array, placement: Placeme
         empty = jnp.zeros(call.labels.shape, jnp.float32)
         loss, logp, entropy = jnp.zeros((), jnp.float32), empty, empty
     else:
-        fused = _fused_objective(call.backend, call.spec, call.placement, token_fn, treedef, call.live is not None)
+        fused = _fused_objective(call.backend, call.spec, call.placement, token_fn, treedef, call.live is not None,
+                                 label_and_lse)
         per_token = ops.per_token_args(call.row_scale, call.live)
         loss, logp, entropy = fused(call.x, call.w, call.labels, params, *per_token)
     outputs = [loss + jnp.sum(call.nan_if_bad)]
@@ -256,7 +268,7 @@ def _mapped_over_tokens(token_fn: TokenFn, ndim: int) -> Callable[..., jax.Array
 
 @functools.lru_cache(maxsize=256)
 def _fused_objective(backend: Backend, spec: StatsSpec, placement: Placement, token_fn: TokenFn, treedef: Any,
-                     with_live: bool):
+                     with_live: bool, label_and_lse: bool = False):
     """``(sum of the counted tokens' losses, logp, entropy or None)`` with a VJP formed in the forward pass.
 
     ``params`` is ``(counted, *input leaves)``, all per token. As in ``ce_core.api.loss._reduced_loss_fn``,
@@ -265,7 +277,8 @@ def _fused_objective(backend: Backend, spec: StatsSpec, placement: Placement, to
     zero at ignored tokens whatever ``token_fn``'s derivative there. ``logp`` and the entropy are
     returned for the caller to detach; they take no cotangent. After ``params`` come the row scale
     (``spec.with_row_scale``) and the live mask (``with_live``: the counted tokens, which a backend may
-    restrict its work to).
+    restrict its work to). With ``label_and_lse`` the two statistics ``token_fn`` sees are the label's logit
+    and the lse themselves (each then takes its own cotangent).
     """
     with_entropy = spec.with_expected
 
@@ -273,6 +286,8 @@ def _fused_objective(backend: Backend, spec: StatsSpec, placement: Placement, to
         return ops.split_per_token(spec, with_live, per_token)
 
     def log_probs(stats: RowStats) -> tuple[jax.Array, jax.Array | None]:
+        if label_and_lse:
+            return stats.label, stats.lse
         logp = stats.label - stats.lse
         if not with_entropy:
             return logp, None
