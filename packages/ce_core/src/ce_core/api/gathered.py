@@ -47,10 +47,19 @@ def gathered_logits(x: jax.Array, w: jax.Array, entries: jax.Array, scale: jax.A
 def gathered_products(x: jax.Array, w: jax.Array, entries: jax.Array, w_layout: str,
                       placement: Placement | None = None, chunk_bytes: int = CHUNK_BYTES) -> jax.Array:
     """``x_n . w_e`` (float32 ``[..., m]``) for the entries ``e = entries[n, m]``, as :func:`gathered_logits`."""
-    tokens, hidden, m = x.shape[:-1], x.shape[-1], entries.shape[-1]
     entries = entries.astype(jnp.int32)
     if placement is None or placement.kind != "shard_map":
         return _products_fn(w_layout, (), chunk_bytes, None)(x, w, entries)
+    # Under Auto axes an eager call (jax.grad of one) sees only the abstract mesh of its traced inputs, on
+    # which arrays cannot be laid out op by op: compiled as one program, as ce_core.api.prepare.run_placed does.
+    return _sharded_products(x, w, entries, w_layout=w_layout, placement=placement, chunk_bytes=chunk_bytes)
+
+
+@functools.partial(jax.jit, static_argnames=("w_layout", "placement", "chunk_bytes"))
+def _sharded_products(x: jax.Array, w: jax.Array, entries: jax.Array, *, w_layout: str, placement: Placement,
+                      chunk_bytes: int) -> jax.Array:
+    """:func:`gathered_products` under a ``"shard_map"`` placement."""
+    tokens, hidden, m = x.shape[:-1], x.shape[-1], entries.shape[-1]
     mesh = placement.mesh
     assert mesh is not None  # a shard_map placement has one
     if placement.flat_tokens:  # the tokens in one dimension, padded to a multiple of their shards
