@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ce_core
@@ -199,6 +200,29 @@ def test_rl_objective_runs_and_matches_the_log_probs_oracle(tmp_path: Path) -> N
         assert records[name]["max_rel_err"] < 1e-5, records[name]
     assert records["tokamax:xla"]["status"] == "unsupported"
     assert "log-probability" in records["tokamax:xla"]["reason"]
+
+
+def test_distill_objective_runs_and_matches_the_distillation_oracle(tmp_path: Path) -> None:
+    json_path = tmp_path / "distill.json"
+    assert cli.main(["--shapes", "64x32x512", "--backends", "reference,xla,tokamax:xla", "--objective", "distill",
+                     "--repeats", "1", "--json", str(json_path), "--no-files", "--no-progress"]) == 0
+    records = {r["backend"]: r for r in json.loads(json_path.read_text())}
+    for name in ("reference", "xla"):
+        assert records[name]["status"] == "ok" and records[name]["reduction"] == "distill"
+        assert records[name]["max_rel_err"] < 1e-5, records[name]
+    assert records["tokamax:xla"]["status"] == "unsupported"
+
+
+def test_the_bench_teacher_is_valid_and_the_same_from_numpy_and_jax() -> None:
+    from ce_bench.objectives import DISTILL_K, synthetic_teacher
+
+    labels = np.array([[3, -100, 511], [0, 7, 256]])
+    ids, log_probs = synthetic_teacher(labels, 512)
+    jax_ids, jax_log_probs = synthetic_teacher(jnp.asarray(labels), 512)
+    assert ids.shape == log_probs.shape == (2, 3, DISTILL_K) and ids.dtype == np.int32
+    assert ((ids >= 0) & (ids < 512)).all() and (ids[..., 0] == np.where(labels < 0, 0, labels)).all()
+    assert np.array_equal(ids, np.asarray(jax_ids)) and np.allclose(log_probs, np.asarray(jax_log_probs))
+    assert np.allclose(np.exp(log_probs).sum(-1), 0.9, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
-"""What the bench differentiates: a cross-entropy loss with a reduction, or an RL objective.
+"""What the bench differentiates: a cross-entropy loss with a reduction, an RL objective, or distillation.
 
 ``--objective`` takes ``mean``, ``sum`` or ``none`` (the loss's reduction; ``none`` differentiates
-the sum of per-token losses) or ``rl``: per-token log-probabilities and entropies from
+the sum of per-token losses); ``rl``: per-token log-probabilities and entropies from
 :func:`ce_core.linear_log_probs`, differentiated through ``mean(logp) + RL_ENTROPY_WEIGHT *
-mean(entropy)``, the two quantities a GRPO/PPO step takes from the LM head.
+mean(entropy)``, the two quantities a GRPO/PPO step takes from the LM head; or ``distill``:
+:func:`ce_core.linear_distillation_loss` against a top-``DISTILL_K`` teacher (:func:`synthetic_teacher`,
+drawn from the labels so that every contender sees the same one) with ``DISTILL_HARD_WEIGHT`` of the hard
+label, the mean over tokens (``reference`` is the materialised student beside the same gather).
 """
 
 from __future__ import annotations
@@ -16,9 +19,26 @@ import numpy as np
 
 import ce_core
 from ce_core.extend import log_probs_oracle, oracle
+from ce_core.testing import distillation_oracle
 
-OBJECTIVES = ("mean", "sum", "none", "rl")
+OBJECTIVES = ("mean", "sum", "none", "rl", "distill")
 RL_ENTROPY_WEIGHT = 0.01
+DISTILL_K = 64
+DISTILL_HARD_WEIGHT = 0.1
+
+
+def synthetic_teacher(labels: Any, vocab: int, k: int = DISTILL_K) -> tuple[Any, Any]:
+    """A teacher's top-``k`` per token for the bench: ``(ids, log-probs)``, ``[..., k]``, from the labels alone
+    (ignored ones as 0): the label first, then ids spread over the vocabulary by a multiplicative hash; log-probs
+    decreasing geometrically, 0.9 of the mass on the ``k`` entries. NumPy in, NumPy out; JAX in, JAX out."""
+    xp = np if isinstance(labels, np.ndarray) else jnp
+    base = xp.where(labels < 0, 0, labels).astype(xp.int64 if xp is np else xp.int32)
+    steps = xp.arange(k, dtype=base.dtype)
+    ids = (base[..., None] + steps * 7919 + steps * steps * 104729) % vocab
+    ids = ids.astype(xp.int32)
+    weights = 0.7 ** np.arange(k)
+    log_probs = np.log(0.9 * weights / weights.sum()).astype(np.float32)
+    return ids, xp.broadcast_to(xp.asarray(log_probs), ids.shape)
 
 
 def rl_objective(logp: jax.Array, entropy: jax.Array) -> jax.Array:
@@ -35,6 +55,15 @@ def ce_core_objective(name: str, objective: str) -> Any:
 
         return rl
 
+    if objective == "distill":
+        def distill(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
+            ids, log_probs = synthetic_teacher(labels, w.shape[1])
+            return ce_core.linear_distillation_loss(x, w, labels=labels, teacher_indices=ids,
+                                                    teacher_log_probs=log_probs,
+                                                    hard_label_weight=DISTILL_HARD_WEIGHT, implementation=name)
+
+        return distill
+
     def loss(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
         return ce_core.linear_cross_entropy(x, labels, w, reduction=objective, implementation=name)
 
@@ -44,6 +73,10 @@ def ce_core_objective(name: str, objective: str) -> Any:
 def expected_outputs(x: np.ndarray, labels: np.ndarray, w: np.ndarray, objective: str) -> dict[str, np.ndarray]:
     """The float64 oracle's value and gradients of ``objective`` (of the sum for ``"none"``)."""
     x, w = np.asarray(x, np.float32), np.asarray(w, np.float32)
+    if objective == "distill":
+        ids, log_probs = synthetic_teacher(np.asarray(labels), w.shape[1])
+        return distillation_oracle(x, w, labels=labels, teacher_indices=ids, teacher_log_probs=log_probs,
+                                   hard_label_weight=DISTILL_HARD_WEIGHT)
     if objective != "rl":
         return oracle(x, labels, w, reduction=objective)
     n = labels.size

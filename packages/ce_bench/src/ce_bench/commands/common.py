@@ -82,7 +82,9 @@ def add_common(parser: argparse.ArgumentParser, *, default_dtype: str, default_s
     parser.add_argument("--objective", "--reduction", dest="reduction", default="mean", choices=objectives.OBJECTIVES,
                         help="what is differentiated: the loss with this reduction (mean, sum, none: the sum of "
                              "per-token losses), or rl: per-token log-probs and entropies (linear_log_probs) through "
-                             f"mean(logp) + {objectives.RL_ENTROPY_WEIGHT} mean(entropy) (default: mean)")
+                             f"mean(logp) + {objectives.RL_ENTROPY_WEIGHT} mean(entropy), or distill: "
+                             f"linear_distillation_loss against a top-{objectives.DISTILL_K} teacher drawn from the "
+                             "labels (default: mean)")
     add_output(parser, table_format=False)
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG comparing time and memory here")
     parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
