@@ -110,19 +110,18 @@ def test_every_entry_is_the_forward_kl_and_padding_counts_for_nothing():
     log_q = b - np.log(np.exp(b).sum(-1, keepdims=True))
     every = np.tile(np.arange(31, dtype=np.int32), (9, 1))
     dense = distillation_oracle(x, w, teacher_x, teacher_w, labels)
-    value = linear_distillation_loss(x, w, labels=labels, teacher_indices=every, teacher_log_probs=log_q)
+    value = jax.jit(lambda a, b: linear_distillation_loss(a, b, labels=labels, teacher_indices=every,
+                                                          teacher_log_probs=log_q))(x, w)
     assert max_rel_error(value, dense["loss"]) <= 1e-5
 
     indices, log_probs = top_k_teacher(9, (9,), 31, 3)
     with_padding = (np.concatenate([indices, indices[:, :2]], axis=1),
                     np.concatenate([log_probs, np.full((9, 2), -np.inf, np.float32)], axis=1))
-    grads = [jax.grad(lambda a, b, t=t: linear_distillation_loss(a, b, labels=labels, teacher_indices=t[0],
-                                                                   teacher_log_probs=t[1]), argnums=(0, 1))(x, w)
-             for t in ((indices, log_probs), with_padding)]
-    values = [linear_distillation_loss(x, w, labels=labels, teacher_indices=t[0], teacher_log_probs=t[1])
-              for t in ((indices, log_probs), with_padding)]
-    assert float(values[0]) == pytest.approx(float(values[1]), rel=1e-6)
-    for got, want in zip(grads[1], grads[0], strict=True):
+    step = jax.jit(jax.value_and_grad(lambda a, b, i, q: linear_distillation_loss(
+        a, b, labels=labels, teacher_indices=i, teacher_log_probs=q), argnums=(0, 1)))
+    (value, grads), (padded_value, padded_grads) = (step(x, w, *t) for t in ((indices, log_probs), with_padding))
+    assert float(padded_value) == pytest.approx(float(value), rel=1e-6)
+    for got, want in zip(padded_grads, grads, strict=True):
         assert max_rel_error(got, want) <= 1e-6
 
 
@@ -131,6 +130,7 @@ def test_ignored_tokens_count_for_nothing_even_with_nan_hidden_states(backend_na
     x, labels, w = random_problem(10, (2, 5), 16, 40)
     indices, log_probs = top_k_teacher(11, (2, 5), 40, 3)
 
+    @jax.jit
     def value_and_grads(x_, y):
         return jax.value_and_grad(lambda a, b: linear_distillation_loss(
             a, b, labels=y, teacher_indices=indices, teacher_log_probs=log_probs, hard_label_weight=0.2,
@@ -179,9 +179,9 @@ def test_a_padded_head_keeps_its_first_vocab_size_entries():
     x, labels, w = random_problem(12, (8,), 16, 50)
     padded = np.concatenate([w, np.random.default_rng(13).standard_normal((16, 14)).astype(np.float32)], axis=1)
     indices, log_probs = top_k_teacher(14, (8,), 50, 5)
-    value, (dx, dw) = jax.value_and_grad(lambda a, b: linear_distillation_loss(
+    value, (dx, dw) = jax.jit(jax.value_and_grad(lambda a, b: linear_distillation_loss(
         a, b, labels=labels, teacher_indices=indices, teacher_log_probs=log_probs, vocab_size=50),
-        argnums=(0, 1))(x, padded)
+        argnums=(0, 1)))(x, padded)
     expected = distillation_oracle(x, padded, labels=labels, teacher_indices=indices, teacher_log_probs=log_probs,
                                    vocab_size=50)
     assert max_rel_error(value, expected["loss"]) <= 1e-5 and max_rel_error(dx, expected["dx"]) <= 1e-4

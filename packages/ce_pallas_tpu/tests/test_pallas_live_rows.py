@@ -19,8 +19,9 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import ce_core
-from ce_core import BlockSizes, linear_cross_entropy, linear_log_probs, testing
+from ce_core import BlockSizes, linear_cross_entropy, linear_log_probs
 from ce_core.extend import Case, compare_with_oracle, log_probs_oracle, max_rel_error, oracle, random_problem
+from ce_core.extend import ignored_labels as ignored_labels_of
 from ce_pallas_tpu import common, kept_logits
 from ce_pallas_tpu.common import LiveBlocks
 
@@ -35,8 +36,8 @@ def _fresh_traces():
 
 
 def ignored_labels(pattern: str, seed: int = 0, shape: tuple[int, ...] = (BATCH, SEQ)) -> np.ndarray:
-    """Labels of ``shape`` with the tokens ``pattern`` names ignored (:func:`ce_core.testing.ignored_labels`)."""
-    return testing.ignored_labels(pattern, shape, VOCAB, seed=seed)
+    """Labels of ``shape`` with the tokens ``pattern`` names ignored (:func:`ce_core.extend.ignored_labels`)."""
+    return ignored_labels_of(pattern, shape, VOCAB, seed=seed)
 
 
 def test_live_blocks_walk_the_live_ones_in_order_then_stay_on_the_last():

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import ce_core
-from ce_core import BlockSizes, linear_cross_entropy, linear_log_probs, linear_token_objective, testing
+from ce_core import BlockSizes, linear_cross_entropy, linear_log_probs, linear_token_objective
 from ce_core.extend import (
+    IGNORED_PATTERNS,
     Case,
     compare_with_oracle,
     log_probs_oracle,
@@ -30,10 +31,11 @@ from ce_core.extend import (
     register_backend,
     unregister_backend,
 )
+from ce_core.extend import ignored_labels as ignored_labels_of
 from ce_xla import XlaBackend
 
 BATCH, SEQ, HIDDEN, VOCAB = 2, 61, 32, 1000
-PATTERNS = testing.IGNORED_PATTERNS
+PATTERNS = IGNORED_PATTERNS
 #: chunking -> (backend options, block sizes): several 24-row token chunks with full rows, or vocab tiles.
 CHUNKINGS = {
     "full_rows": ({"grad_budget_bytes": 1}, BlockSizes(b_block_size=24)),
@@ -43,8 +45,8 @@ ORDERS = ("tokens_outer", "vocab_outer")
 
 
 def ignored_labels(pattern: str, seed: int = 0, shape: tuple[int, ...] = (BATCH, SEQ)) -> np.ndarray:
-    """Labels of ``shape`` with the tokens ``pattern`` names ignored (:func:`ce_core.testing.ignored_labels`)."""
-    return testing.ignored_labels(pattern, shape, VOCAB, seed=seed)
+    """Labels of ``shape`` with the tokens ``pattern`` names ignored (:func:`ce_core.extend.ignored_labels`)."""
+    return ignored_labels_of(pattern, shape, VOCAB, seed=seed)
 
 
 @pytest.fixture

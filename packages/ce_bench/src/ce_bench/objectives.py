@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ce_core
-from ce_core.extend import log_probs_oracle, oracle
-from ce_core.testing import distillation_oracle
+from ce_core.extend import distillation_oracle, log_probs_oracle, oracle
 
 OBJECTIVES = ("mean", "sum", "none", "rl", "distill")
 RL_ENTROPY_WEIGHT = 0.01

@@ -48,9 +48,12 @@ from ce_core.contract.varying import vary, vary_like, varying_axes_of
 
 if TYPE_CHECKING:
     from ce_core.testing import (
+        IGNORED_PATTERNS,
         TOLERANCES,
         Case,
         compare_with_oracle,
+        distillation_oracle,
+        ignored_labels,
         log_probs_oracle,
         max_rel_error,
         oracle,
@@ -59,8 +62,9 @@ if TYPE_CHECKING:
     )
 
 #: Names served from :mod:`ce_core.testing`, imported on first use so a backend's runtime never loads it.
-_TESTING = frozenset({"TOLERANCES", "Case", "compare_with_oracle", "log_probs_oracle", "max_rel_error", "oracle",
-                      "random_problem", "stats_oracle"})
+_TESTING = frozenset({"IGNORED_PATTERNS", "TOLERANCES", "Case", "compare_with_oracle", "distillation_oracle",
+                      "ignored_labels", "log_probs_oracle", "max_rel_error", "oracle", "random_problem",
+                      "stats_oracle"})
 
 
 def __getattr__(name: str) -> Any:
@@ -72,6 +76,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CONTRACT_VERSION",
+    "IGNORED_PATTERNS",
     "PLACEMENTS",
     "SUPPORTED_CONTRACT_VERSIONS",
     "TOLERANCES",
@@ -90,9 +95,11 @@ __all__ = [
     "UnsupportedError",
     "compare_with_oracle",
     "compile_program",
+    "distillation_oracle",
     "first_line",
     "get_backend",
     "host_has_tpu",
+    "ignored_labels",
     "inert_dead_rows",
     "localize_cotangent",
     "log_probs_oracle",
