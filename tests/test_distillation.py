@@ -149,7 +149,7 @@ def test_ignored_tokens_count_for_nothing_even_with_nan_hidden_states(backend_na
     assert not np.asarray(dx)[0, :2].any()
 
 
-@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+@pytest.mark.covering(axis_type=("explicit", "auto"), backends="turns")
 def test_over_a_mesh_splitting_tokens_and_vocab_matches_the_oracle(backend_name, axis_type):
     """Tokens over "data", the head's vocab over "model": under Explicit axes each vocab shard gathers the teacher's
     entries it holds; under Auto axes the default layout (every token split, ``w`` whole). 4 devices for
