@@ -225,6 +225,10 @@ def test_bad_calls_are_clear_errors():
         linear_distillation_loss(x, w, labels=labels, teacher_indices=log_probs, teacher_log_probs=log_probs)
     with pytest.raises(ValueError, match="vocab_size"):
         linear_distillation_loss(x, w, labels=labels, vocab_size=21, **sparse)
+    bad = labels.copy()
+    bad[1] = 20
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 20\) or equal ignore_index=-100"):
+        linear_distillation_loss(x, w, labels=bad, **sparse)
     with pytest.raises(ValueError, match="labels must have"):
         linear_distillation_loss(x, w, labels=labels[:3], **sparse)
     with pytest.raises(ValueError, match="weights must have"):

@@ -131,7 +131,7 @@ def test_argmax_comes_out_of_the_kept_logits_path(interpret, monkeypatch):
         return linear_cross_entropy(x_, labels, w_, implementation="pallas_tpu", keep_logits=True,
                                     return_argmax=True, block_sizes=BlockSizes(16, None, 128))
 
-    (value, argmax), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+    (value, argmax), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
     z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert np.array_equal(np.asarray(argmax), np.where(labels == -100, -1, np.argmax(z, axis=1)))  # -1: ignored
     expected = oracle(np.asarray(x), labels, np.asarray(w))

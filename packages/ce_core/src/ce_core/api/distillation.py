@@ -25,6 +25,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.typing import ArrayLike
 
+from ce_core.api import validation
 from ce_core.api.gathered import gathered_logits
 from ce_core.api.loss import linear_cross_entropy
 from ce_core.api.objective import token_objective
@@ -154,6 +155,10 @@ def linear_distillation_loss(
         labels = jnp.asarray(labels)
         if labels.shape != tokens:
             raise ValueError(f"labels must have x's token shape {tokens}, got {labels.shape}")
+        if not jnp.issubdtype(labels.dtype, jnp.integer):
+            raise ValueError(f"labels must be an integer array of token ids, got dtype {labels.dtype}")
+        # Checked here against the caller's ignore_index (the student's calls below mark ignored tokens -1).
+        validation.check_concrete_labels(labels, w.shape[vocab_axis], ignore_index)
     _check_concrete_indices(indices, w.shape[vocab_axis])
 
     counted = (jnp.ones(tokens, bool) if labels is None else labels != ignore_index)
