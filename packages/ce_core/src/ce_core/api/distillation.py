@@ -139,9 +139,7 @@ def linear_distillation_loss(
         raise ValueError("hard_label_weight needs labels")
     x = jnp.asarray(x)
     w = jnp.asarray(w)
-    if w_layout not in ("hv", "vh"):
-        raise ValueError(f"w_layout must be 'hv' or 'vh', got {w_layout!r}")
-    vocab_axis = 1 if w_layout == "hv" else 0
+    vocab_axis = validation.vocab_dim(validation.check_w_layout(w_layout))
     w = _first_entries(w, vocab_size, vocab_axis)
     indices = jnp.asarray(teacher_indices)
     log_q = jnp.asarray(teacher_log_probs)
