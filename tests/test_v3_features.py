@@ -451,7 +451,7 @@ def test_stated_in_specs_split_the_vh_vocab_dimension():
     with pytest.raises(ValueError, match=r"w's vocab V=30 .*w_layout='vh'.* does not split evenly"):
         linear_cross_entropy(x, labels, np.ascontiguousarray(w.T), w_layout="vh", implementation="reference",
                              in_specs=(P("data", None, None), P("model", None)))
-    assert ce_core.CONTRACT_VERSION == 4
+    assert ce_core.CONTRACT_VERSION == 5
 
 
 # --- pallas_tpu: the race-checked TPU interpreter on a 2 x 2 mesh --------------------------------

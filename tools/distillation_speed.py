@@ -1,10 +1,13 @@
-"""CPU time of the sparse-teacher distillation loss beside the plain loss, fwd+bwd, interleaved in one run.
+"""CPU time of the distillation loss beside the plain loss, fwd+bwd, interleaved in one run.
 
-    uv run python tools/distillation_speed.py [--shape 1024x512x16384] [--k 64] [--repeats 7] [--dtype float32]
+    uv run python tools/distillation_speed.py [--shape 1024x512x16384] [--k 64] [--teacher-hidden HT]
+        [--divergence forward_kl] [--repeats 7] [--dtype float32]
 
 ``jax.value_and_grad`` (w.r.t. ``x`` and ``w``) of ``linear_distillation_loss`` (a top-``k`` teacher, the
 hard label at temperature 1 in the same pass) and of ``linear_cross_entropy``, both on ``xla``, jitted, timed
 alternately ``--repeats`` times (median ms); the ratio is the distillation's cost over the plain loss's.
+With ``--teacher-hidden`` the teacher is dense (``[N, HT]`` hidden states, an ``[HT, V]`` head; no hard label),
+and the same loss on ``reference`` (both heads' logits materialised) is timed beside it: issue 42's yardstick.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--teacher-hidden", type=int, default=None)
+    parser.add_argument("--divergence", default="forward_kl")
     args = parser.parse_args(argv)
     n, h, v = (int(part) for part in args.shape.split("x"))
     rng = np.random.default_rng(0)
@@ -36,15 +41,23 @@ def main(argv: list[str]) -> int:
     indices = jnp.asarray(np.argsort(rng.random((n, v)), axis=1)[:, :args.k], jnp.int32)
     log_probs = jnp.asarray(np.log(rng.dirichlet(np.ones(args.k), n) * 0.9), jnp.float32)
 
-    def distill(a, b):
+    def distill(a, b, implementation="xla"):
+        if args.teacher_hidden:
+            return linear_distillation_loss(a, b, teacher_x, teacher_w, labels, divergence=args.divergence,
+                                            implementation=implementation)
         return linear_distillation_loss(a, b, labels=labels, teacher_indices=indices, teacher_log_probs=log_probs,
-                                        hard_label_weight=0.1, implementation="xla")
+                                        hard_label_weight=0.1, implementation=implementation)
 
     def plain(a, b):
         return linear_cross_entropy(a, labels, b, implementation="xla")
 
-    steps = {name: jax.jit(jax.value_and_grad(fn, argnums=(0, 1))) for name, fn in
-             (("plain", plain), ("distill", distill))}
+    contenders = [("plain", plain), ("distill", distill)]
+    if args.teacher_hidden:
+        ht = args.teacher_hidden
+        teacher_x = jnp.asarray(rng.standard_normal((n, ht)), args.dtype)
+        teacher_w = jnp.asarray(rng.standard_normal((ht, v)) / np.sqrt(ht), args.dtype)
+        contenders.append(("materialised", lambda a, b: distill(a, b, "reference")))
+    steps = {name: jax.jit(jax.value_and_grad(fn, argnums=(0, 1))) for name, fn in contenders}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         jax.block_until_ready(step(x, w))
@@ -54,8 +67,13 @@ def main(argv: list[str]) -> int:
             jax.block_until_ready(step(x, w))
             times[name].append((time.perf_counter() - start) * 1e3)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"{args.shape} {args.dtype} k={args.k}: plain {medians['plain']:.1f} ms, distillation "
-          f"{medians['distill']:.1f} ms, ratio {medians['distill'] / medians['plain']:.3f}")
+    teacher = f"dense Ht={args.teacher_hidden} {args.divergence}" if args.teacher_hidden else f"k={args.k}"
+    line = (f"{args.shape} {args.dtype} {teacher}: plain {medians['plain']:.1f} ms, distillation "
+            f"{medians['distill']:.1f} ms, ratio {medians['distill'] / medians['plain']:.3f}")
+    if "materialised" in medians:
+        line += (f"; materialised (reference) {medians['materialised']:.1f} ms, xla / materialised "
+                 f"{medians['distill'] / medians['materialised']:.3f}")
+    print(line)
     return 0
 
 

@@ -15,8 +15,8 @@ from ce_reference import ReferenceBackend, make_backend
 def test_entry_point_gives_a_reference_backend():
     backend = ce_core.get_backend("reference")
     assert isinstance(backend, ReferenceBackend) and isinstance(make_backend(), ReferenceBackend)
-    # Version 3, one short of the current: the oracle computes every row, so it is never handed live rows.
-    assert backend.contract_version == ce_core.CONTRACT_VERSION - 1 == 3 and not backend.takes_live_rows
+    # The current version (pairs of heads); it computes every row, dead ones on zeros.
+    assert backend.contract_version == ce_core.CONTRACT_VERSION == 5 and backend.takes_live_rows
 
 
 def test_row_stats_match_the_oracle_with_cap_and_sum():

@@ -292,8 +292,8 @@ def test_plans_read_h_and_v_from_the_layout(layout):
     assert plan == backend.plan(N, 40, 3001, StatsSpec(), x.dtype, w.dtype, live_rows=False)
 
 
-def test_contract_version_4_and_the_registry_accepts_every_v3_spec():
-    assert XlaBackend.contract_version == 4 and XlaBackend().takes_live_rows
+def test_contract_version_5_and_the_registry_accepts_every_v3_spec():
+    assert XlaBackend.contract_version == 5 and XlaBackend().takes_live_rows
     backend = get_backend("xla")
     assert isinstance(backend, XlaBackend)
     x, w, labels, scale = problem(1001, "float32", "vh", seed=10)

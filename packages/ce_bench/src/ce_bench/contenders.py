@@ -74,7 +74,7 @@ class Contender:
         if self.is_tokamax:
             if reduction == "rl":
                 raise ce_core.UnsupportedError("tokamax has no per-token log-probability or entropy API")
-            if reduction == "distill":
+            if reduction in ("distill", "distill_dense"):
                 raise ce_core.UnsupportedError("tokamax has no distillation loss")
             if reduction not in TOKAMAX_REDUCTIONS:
                 raise ValueError(f"unknown reduction {reduction!r} for tokamax; known: {list(TOKAMAX_REDUCTIONS)}")

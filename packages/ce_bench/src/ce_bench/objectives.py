@@ -6,7 +6,10 @@ the sum of per-token losses); ``rl``: per-token log-probabilities and entropies 
 mean(entropy)``, the two quantities a GRPO/PPO step takes from the LM head; or ``distill``:
 :func:`ce_core.linear_distillation_loss` against a top-``DISTILL_K`` teacher (:func:`synthetic_teacher`,
 drawn from the labels so that every contender sees the same one) with ``DISTILL_HARD_WEIGHT`` of the hard
-label, the mean over tokens (``reference`` is the materialised student beside the same gather).
+label, the mean over tokens (``reference`` is the materialised student beside the same gather); or
+``distill_dense``: the forward KL against a dense teacher twice the student's width
+(:func:`synthetic_dense_teacher`, built from the student's own arrays), both heads streamed (``reference``
+materialises both).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import ce_core
 from ce_core.extend import distillation_oracle, log_probs_oracle, oracle
 
-OBJECTIVES = ("mean", "sum", "none", "rl", "distill")
+OBJECTIVES = ("mean", "sum", "none", "rl", "distill", "distill_dense")
 RL_ENTROPY_WEIGHT = 0.01
 DISTILL_K = 64
 DISTILL_HARD_WEIGHT = 0.1
@@ -38,6 +41,18 @@ def synthetic_teacher(labels: Any, vocab: int, k: int = DISTILL_K) -> tuple[Any,
     weights = 0.7 ** np.arange(k)
     log_probs = np.log(0.9 * weights / weights.sum()).astype(np.float32)
     return ids, xp.broadcast_to(xp.asarray(log_probs), ids.shape)
+
+
+def synthetic_dense_teacher(x: Any, w: Any) -> tuple[Any, Any]:
+    """A dense teacher of width ``2H`` for the bench, from the student's ``x [..., H]`` and ``w [H, V]``: hidden
+    states ``[x, reversed x]`` and a head ``[w; w rolled by one entry] / sqrt(2)``, so its logits are of order 1
+    and differ from the student's. NumPy in, NumPy out; JAX in, JAX out (not differentiated)."""
+    xp = np if isinstance(x, np.ndarray) else jnp
+    if xp is jnp:
+        x, w = jax.lax.stop_gradient(x), jax.lax.stop_gradient(w)
+    hidden = xp.concatenate([x, x[..., ::-1]], axis=-1)
+    head = xp.concatenate([w, xp.roll(w, 1, axis=1)], axis=0) / np.sqrt(2.0).astype(np.float32)
+    return hidden, head.astype(w.dtype)
 
 
 def rl_objective(logp: jax.Array, entropy: jax.Array) -> jax.Array:
@@ -63,6 +78,13 @@ def ce_core_objective(name: str, objective: str) -> Any:
 
         return distill
 
+    if objective == "distill_dense":
+        def distill_dense(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
+            teacher_x, teacher_w = synthetic_dense_teacher(x, w)
+            return ce_core.linear_distillation_loss(x, w, teacher_x, teacher_w, labels, implementation=name)
+
+        return distill_dense
+
     def loss(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
         return ce_core.linear_cross_entropy(x, labels, w, reduction=objective, implementation=name)
 
@@ -76,6 +98,8 @@ def expected_outputs(x: np.ndarray, labels: np.ndarray, w: np.ndarray, objective
         ids, log_probs = synthetic_teacher(np.asarray(labels), w.shape[1])
         return distillation_oracle(x, w, labels=labels, teacher_indices=ids, teacher_log_probs=log_probs,
                                    hard_label_weight=DISTILL_HARD_WEIGHT)
+    if objective == "distill_dense":
+        return distillation_oracle(x, w, *synthetic_dense_teacher(x, w), labels)
     if objective != "rl":
         return oracle(x, labels, w, reduction=objective)
     n = labels.size

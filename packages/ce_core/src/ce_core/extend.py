@@ -8,7 +8,9 @@ imports one). What is here, by role:
   (:class:`Problem`, :class:`StatsSpec`, :class:`RowStats`, ``CotangentFn``), the version a backend
   declares (:data:`CONTRACT_VERSION`), the placements it may be told (:data:`PLACEMENTS`),
   :func:`localize_cotangent` and :func:`inert_dead_rows`. :class:`BlockSizes`, :class:`TileReport`
-  and :class:`PassTiles` for tile sizes; :class:`UnsupportedError` to decline a call (a fallback chain then moves on).
+  and :class:`PassTiles` for tile sizes; the pair statistics of version 5 (:mod:`ce_core.contract.pair`:
+  :class:`PairSpec`, :class:`PairStats` and the elementwise :func:`scaled_logits`, :func:`pair_stats_of`,
+  :func:`pair_delta`); :class:`UnsupportedError` to decline a call (a fallback chain then moves on).
 - **Registration**: :func:`register_backend`, :func:`unregister_backend`, :func:`get_backend`
   (installed backends register through the ``ce_core.backends`` entry-point group instead).
 - **Inside ``shard_map``**: the varying-axes helpers a backend needs when it builds arrays of its own
@@ -41,6 +43,15 @@ from ce_core.contract.backend import (
 from ce_core.contract.block_sizes import BlockSizes
 from ce_core.contract.compiled import CompileResult, compile_program, first_line
 from ce_core.contract.errors import FallbackWarning, UnsupportedError
+from ce_core.contract.pair import (
+    PAIR_DIVERGENCES,
+    PAIR_VERSION,
+    PairSpec,
+    PairStats,
+    pair_delta,
+    pair_stats_of,
+    scaled_logits,
+)
 from ce_core.contract.registry import get_backend, register_backend, unregister_backend
 from ce_core.contract.tile_report import PassTiles, TileReport
 from ce_core.contract.tpu_host import host_has_tpu, quiet_libtpu_without_tpu
@@ -77,6 +88,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CONTRACT_VERSION",
     "IGNORED_PATTERNS",
+    "PAIR_DIVERGENCES",
+    "PAIR_VERSION",
     "PLACEMENTS",
     "SUPPORTED_CONTRACT_VERSIONS",
     "TOLERANCES",
@@ -87,6 +100,8 @@ __all__ = [
     "CompileResult",
     "CotangentFn",
     "FallbackWarning",
+    "PairSpec",
+    "PairStats",
     "PassTiles",
     "Problem",
     "RowStats",
@@ -105,9 +120,12 @@ __all__ = [
     "log_probs_oracle",
     "max_rel_error",
     "oracle",
+    "pair_delta",
+    "pair_stats_of",
     "quiet_libtpu_without_tpu",
     "random_problem",
     "register_backend",
+    "scaled_logits",
     "stats_oracle",
     "unregister_backend",
     "vary",

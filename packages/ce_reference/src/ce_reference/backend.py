@@ -1,4 +1,5 @@
-"""Row statistics of fully materialised logits, differentiated by JAX's autodiff."""
+"""Row statistics of fully materialised logits, differentiated by JAX's autodiff; a pair of heads (a dense
+distillation teacher) materialised both, with the contract's own elementwise formulas."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import Backend, RowStats, StatsSpec
+from ce_core.extend import PairSpec, PairStats, pair_delta, pair_stats_of, scaled_logits
 
 
 def logits_of(x: jax.Array, w: jax.Array, spec: StatsSpec, row_scale: jax.Array | None = None) -> jax.Array:
@@ -47,15 +49,42 @@ class ReferenceBackend(Backend):
     """Materialises ``[N, V]`` logits; runs wherever XLA runs."""
 
     name = "reference"
-    #: Version 3: the oracle computes every row, so ce_core hands it no live rows (version 4) to skip.
-    contract_version = 3
+    #: Version 5: pair statistics. It computes every row, the dead ones (version 4's ``live``) on zeros.
+    contract_version = 5
     #: The last resort everywhere: it materialises the logits.
     default_priority = MappingProxyType({"*": 0})
 
     def row_stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec, *,
                   row_scale: jax.Array | None = None, live: jax.Array | None = None) -> RowStats:
-        del live  # in the signature only (never passed at version 3)
+        if live is not None:  # dead rows' x may be garbage (padding): computed on zeros, they add nothing
+            x = jnp.where(live[:, None], x, jnp.zeros((), x.dtype))
         return row_stats(x, w, labels, spec, row_scale)
+
+    def pair_row_stats(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                       spec: PairSpec, *, row_scale: jax.Array,
+                       lse: tuple[jax.Array, jax.Array] | None = None) -> PairStats:
+        a, b, _ = _pair_logits(x, w, teacher_x, teacher_w, spec, row_scale)
+        return pair_stats_of(a, b, spec, lse)
+
+    def pair_row_stats_vjp(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                           stats: PairStats, g: jax.Array, spec: PairSpec, *,
+                           row_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        a, b, slope = _pair_logits(x, w, teacher_x, teacher_w, spec, row_scale)
+        delta = pair_delta(a, b, slope, row_scale, stats, g, spec)
+        operand = delta.astype(jnp.promote_types(x.dtype, w.dtype))
+        hv = spec.w_layout == "hv"
+        dx = jnp.dot(operand, w.T if hv else w, precision=spec.precision, preferred_element_type=jnp.float32)
+        dw = jnp.dot(x.T, operand, precision=spec.precision, preferred_element_type=jnp.float32)
+        return dx.astype(x.dtype), (dw if hv else dw.T).astype(w.dtype)
+
+
+def _pair_logits(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
+                 row_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Both heads' ``[N, V]`` float32 logits, and the student's ``cap'``."""
+    a, slope = scaled_logits(x, w, spec.w_layout, spec.logit_soft_cap, row_scale, spec.precision)
+    b, _ = scaled_logits(teacher_x, teacher_w, spec.teacher_w_layout, spec.teacher_logit_soft_cap, row_scale,
+                         spec.precision)
+    return a, b, slope
 
 
 def make_backend() -> ReferenceBackend:

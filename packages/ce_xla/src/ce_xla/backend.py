@@ -8,6 +8,7 @@ Every entry point takes its gradient order from the plan (:mod:`ce_xla.tiling`),
 float32 ``[H, V]`` accumulator for a bf16 ``w`` beyond the keep-logits budget. Contract version 4: a ``[V, H]`` head
 (:mod:`ce_xla.head`), ``max``/``argmax``, a per-token ``row_scale``, and the ``live`` rows: every token loop
 runs over the live rows only (gathered to the front, :class:`ce_xla.loops.TokenRows`), on every path.
+Version 5: a pair of heads (a dense distillation teacher), token chunks of whole rows (:mod:`ce_xla.pair`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ce_core import Backend, BlockSizes, CotangentFn, PassTiles, Problem, RowStats, StatsSpec, TileReport
-from ce_xla import backward, fused, head, ops, target
+from ce_core.extend import PairSpec, PairStats
+from ce_xla import backward, fused, head, ops, pair, target
 from ce_xla.target import target_platform
 from ce_xla.tiling import GRADIENT_ORDERS, ChunkPlan, GradientOrder, check_block_sizes, plan_chunks, resolve_order
 
@@ -37,7 +39,7 @@ class XlaBackend(Backend):
     """
 
     name = "xla"
-    contract_version = 4
+    contract_version = 5
     #: The default wherever XLA runs, after a platform's own kernels.
     default_priority = MappingProxyType({"*": 10})
 
@@ -144,6 +146,29 @@ class XlaBackend(Backend):
         with head.precision_scope(spec.precision):
             return fused.row_stats_and_grads(x, w, labels, spec, plan, cotangent_fn, token_params,
                                              _scale(spec, row_scale), ops.token_rows(x, _live(live), plan))
+
+    def _pair_rows(self, x: jax.Array, w: jax.Array, spec: PairSpec) -> int:
+        vocab = head.dims(w, spec.w_layout)[1]
+        return pair.chunk_rows(x.shape[0], vocab, self.budget_bytes or pair.TILE_BYTES)
+
+    def pair_row_stats(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                       spec: PairSpec, *, row_scale: jax.Array,
+                       lse: tuple[jax.Array, jax.Array] | None = None) -> PairStats:
+        with head.precision_scope(spec.precision):
+            return pair.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale, lse,
+                                       self._pair_rows(x, w, spec))
+
+    def pair_row_stats_vjp(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                           stats: PairStats, g: jax.Array, spec: PairSpec, *,
+                           row_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        _, dx, dw = pair.pair_grads(x, w, teacher_x, teacher_w, spec, row_scale, g, self._pair_rows(x, w, spec),
+                                    stats)
+        return dx, dw
+
+    def pair_row_stats_and_grads(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                                 spec: PairSpec, g: jax.Array, *,
+                                 row_scale: jax.Array) -> tuple[PairStats, jax.Array, jax.Array]:
+        return pair.pair_grads(x, w, teacher_x, teacher_w, spec, row_scale, g, self._pair_rows(x, w, spec))
 
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "

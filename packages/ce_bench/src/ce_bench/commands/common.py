@@ -84,7 +84,7 @@ def add_common(parser: argparse.ArgumentParser, *, default_dtype: str, default_s
                              "per-token losses), or rl: per-token log-probs and entropies (linear_log_probs) through "
                              f"mean(logp) + {objectives.RL_ENTROPY_WEIGHT} mean(entropy), or distill: "
                              f"linear_distillation_loss against a top-{objectives.DISTILL_K} teacher drawn from the "
-                             "labels (default: mean)")
+                             "labels, or distill_dense: against a dense teacher of twice the width (default: mean)")
     add_output(parser, table_format=False)
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG comparing time and memory here")
     parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",

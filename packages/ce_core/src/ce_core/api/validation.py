@@ -58,10 +58,12 @@ def input_arrays(
     return x_array, label_array, w_array, weight_array
 
 
-def check_w_layout(w_layout: object) -> str:
-    """``w_layout`` must be ``"hv"`` (``w`` is ``[H, V]``) or ``"vh"`` (``[V, H]``, a tied embedding table)."""
+def check_w_layout(w_layout: object, name: str = "w_layout") -> str:
+    """``w_layout`` must be ``"hv"`` (``w`` is ``[H, V]``) or ``"vh"`` (``[V, H]``, a tied embedding table);
+    ``name``: the argument's name in the error (``teacher_w_layout``, the teacher's head)."""
     if not isinstance(w_layout, str) or w_layout not in W_LAYOUTS:
-        raise ValueError(f"w_layout must be one of {W_LAYOUTS} ('hv': w is [H, V]; 'vh': w is [V, H]), "
+        head = name.removesuffix("_layout")
+        raise ValueError(f"{name} must be one of {W_LAYOUTS} ('hv': {head} is [H, V]; 'vh': {head} is [V, H]), "
                          f"got {w_layout!r}")
     return w_layout
 

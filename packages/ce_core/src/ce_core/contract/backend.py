@@ -30,9 +30,14 @@ them with ``lse = +inf`` and every other statistic 0 (:func:`inert_dead_rows`), 
 backend computes anyway has ``p = 0`` and ``delta = 0`` exactly, whatever its logits.
 ``live=None``: every row counts. ce_core never passes ``live`` to an older backend.
 
+**Pairs of heads** (contract version 5, :mod:`ce_core.contract.pair`): a distillation loss against a dense
+teacher streams the student's and the teacher's logits together (:meth:`Backend.pair_row_stats`,
+:meth:`Backend.pair_row_stats_vjp`, :meth:`Backend.pair_row_stats_and_grads`).
+
 Contract versions: 1 had ``lse``, ``label`` and ``sum``; 2 adds ``expected`` and
 :meth:`Backend.row_stats_vjp`; 3 adds ``StatsSpec.w_layout``, ``max``/``argmax`` and ``row_scale``;
-4 adds ``live``. An older backend still runs every call that needs nothing its version lacks.
+4 adds ``live``; 5 adds the pair statistics. An older backend still runs every call that needs nothing its
+version lacks.
 """
 
 from __future__ import annotations
@@ -47,14 +52,16 @@ import jax
 import jax.numpy as jnp
 
 from ce_core.contract.block_sizes import BlockSizes
+from ce_core.contract.errors import UnsupportedError
+from ce_core.contract.pair import PAIR_VERSION, PairSpec, PairStats
 from ce_core.contract.tile_report import TileReport
 from ce_core.contract.varying import vary_like
 
 #: Bumped whenever the contract below changes. A backend declares the version it was written
 #: against; the registry accepts the versions in :data:`SUPPORTED_CONTRACT_VERSIONS` and refuses a
 #: backend for a call that needs something its version lacks (so a fallback chain moves on).
-CONTRACT_VERSION = 4
-SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4)
+CONTRACT_VERSION = 5
+SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4, 5)
 
 #: The first contract version whose backends take the ``live`` mask of dead rows.
 LIVE_ROWS_VERSION = 4
@@ -135,6 +142,8 @@ class Problem:
     w_dtype: jnp.dtype
     spec: StatsSpec
     placement: str = "local"
+    #: A pair of heads (contract version 5): the student's options are ``spec``'s, the pair's are these.
+    pair: PairSpec | None = None
 
 
 #: ``cotangent_fn(stats_chunk, token_params_chunk) -> RowStats`` of cotangents. It is elementwise
@@ -245,6 +254,39 @@ class Backend(abc.ABC):
         stats, vjp, extra = jax.vjp(differentiable, x, w, has_aux=True)
         dx, dw = vjp(cotangent_fn(stats, token_params))
         return stats._replace(max=extra[0], argmax=extra[1]), dx, dw
+
+    def pair_row_stats(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                       spec: PairSpec, *, row_scale: jax.Array,
+                       lse: tuple[jax.Array, jax.Array] | None = None) -> PairStats:
+        """:class:`PairStats` of the student ``s * cap_s(x @ w)`` and the teacher ``s * cap_t(teacher_x @ teacher_w)``.
+
+        ``x [N, Hs]``, ``teacher_x [N, Ht]``, both heads over the same ``V`` columns in their own layouts,
+        ``row_scale`` float32 ``[N]``; ``lse``: the whole rows' ``(lse, teacher_lse)`` when the heads are one vocab
+        shard (the sums are then the shard's part). Not differentiated: ce_core calls :meth:`pair_row_stats_vjp`.
+        Backends before version 5 are refused for these calls; this default says so.
+        """
+        del x, w, teacher_x, teacher_w, spec, row_scale, lse
+        raise UnsupportedError(f"backend {self.name!r} implements contract version {self.contract_version}, "
+                               f"which lacks the pair statistics of a dense distillation teacher "
+                               f"(version {PAIR_VERSION})")
+
+    def pair_row_stats_vjp(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                           stats: PairStats, g: jax.Array, spec: PairSpec, *,
+                           row_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The student's ``dx, dw`` for a cotangent ``g`` (float32 ``[N]``) of ``stats.divergence``, given the whole
+        rows' statistics (the teacher takes no gradient)."""
+        del x, w, teacher_x, teacher_w, stats, g, spec, row_scale
+        raise UnsupportedError(f"backend {self.name!r} lacks pair statistics (contract version {PAIR_VERSION})")
+
+    def pair_row_stats_and_grads(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                                 spec: PairSpec, g: jax.Array, *,
+                                 row_scale: jax.Array) -> tuple[PairStats, jax.Array, jax.Array]:
+        """Statistics and the ``dx, dw`` of ``sum(g * divergence)``, ``g`` known in advance (a scalar loss): a
+        backend holding each token chunk's whole rows forms the gradient in the same pass. This default runs
+        :meth:`pair_row_stats` then :meth:`pair_row_stats_vjp` (the logits recomputed)."""
+        stats = self.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale=row_scale)
+        dx, dw = self.pair_row_stats_vjp(x, w, teacher_x, teacher_w, stats, g, spec, row_scale=row_scale)
+        return stats, dx, dw
 
     def _stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec,
                row_scale: jax.Array | None, live: jax.Array | None = None) -> RowStats:

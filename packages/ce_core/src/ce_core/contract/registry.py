@@ -16,6 +16,7 @@ import jax
 
 from ce_core.contract.backend import CONTRACT_VERSION, SUPPORTED_CONTRACT_VERSIONS, Backend, Problem, StatsSpec
 from ce_core.contract.errors import FallbackWarning, UnsupportedError
+from ce_core.contract.pair import PAIR_VERSION
 
 ENTRY_POINT_GROUP = "ce_core.backends"
 
@@ -164,10 +165,11 @@ def select_backend(implementation: str | Sequence[str] | None, problem: Problem)
 def _ensure_runs(backend: Backend, problem: Problem) -> None:
     if not backend.is_available():
         raise UnsupportedError(f"backend {backend.name!r} is not available on platform {jax.default_backend()!r}")
-    needed = problem.spec.needs_version
+    needed = PAIR_VERSION if problem.pair is not None else problem.spec.needs_version
     if (backend.contract_version or 0) < needed:
+        needs = "the pair statistics of a dense distillation teacher" if problem.pair else _needs(problem.spec)
         raise UnsupportedError(f"backend {backend.name!r} implements contract version {backend.contract_version}, "
-                               f"which lacks what this call needs (version {needed}: {_needs(problem.spec)})")
+                               f"which lacks what this call needs (version {needed}: {needs})")
     backend.check(problem)
 
 

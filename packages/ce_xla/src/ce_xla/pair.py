@@ -1,0 +1,88 @@
+"""A pair of heads (contract version 5: a dense distillation teacher) over token chunks of whole rows.
+
+Each chunk forms both heads' ``[rows, V]`` logits and takes the contract's elementwise formulas
+(:mod:`ce_core.contract.pair`) on them. A chunk holds whole rows, so its statistics are final where it
+stands, and when the divergence's cotangent is known in advance (a scalar loss) its ``delta``, its ``dx`` rows
+and its share of ``dw`` (float32 across chunks) come from the same logits: ``2N(Hs + Ht)V + 4N Hs V`` of
+products, what a step that materialises both heads runs. The backward of a per-token loss recomputes both
+heads (``2N(Hs + Ht)V`` more). ``rows`` keeps one float32 ``[rows, V]`` tile within ``tile_bytes``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ce_core.extend import PairSpec, PairStats, pair_delta, pair_stats_of, scaled_logits, vary_like
+from ce_xla import head
+from ce_xla.backward import owned_rows
+from ce_xla.loops import chunk_start, loop
+
+#: One float32 ``[rows, V]`` logits tile of a chunk (a chunk holds several: both heads, ``p``, ``delta``).
+TILE_BYTES = 32 * 2**20
+
+
+def chunk_rows(n: int, vocab: int, tile_bytes: int = TILE_BYTES) -> int:
+    """Token rows per chunk: as many as keep one float32 ``[rows, V]`` tile within ``tile_bytes`` (8 at least)."""
+    return max(1, min(n, max(8, tile_bytes // (4 * vocab))))
+
+
+def _chunk_logits(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
+                  scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    a, slope = scaled_logits(x, w, spec.w_layout, spec.logit_soft_cap, scale, spec.precision)
+    b, _ = scaled_logits(teacher_x, teacher_w, spec.teacher_w_layout, spec.teacher_logit_soft_cap, scale,
+                         spec.precision)
+    return a, b, slope
+
+
+def pair_row_stats(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
+                   row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None, rows: int) -> PairStats:
+    """:class:`PairStats` of every row, a chunk of ``rows`` at a time."""
+    n = x.shape[0]
+
+    def chunk(i, stats: PairStats) -> PairStats:
+        start, _ = chunk_start(i, rows, n)
+        piece = lambda values: jax.lax.dynamic_slice_in_dim(values, start, rows)  # noqa: E731
+        a, b, _ = _chunk_logits(piece(x), w, piece(teacher_x), teacher_w, spec, piece(row_scale))
+        part = pair_stats_of(a, b, spec, None if lse is None else (piece(lse[0]), piece(lse[1])))
+        return jax.tree.map(lambda full, p: jax.lax.dynamic_update_slice_in_dim(full, p, start, 0), stats, part)
+
+    initial = vary_like(_empty_stats(n, spec), x, w, teacher_x, teacher_w, row_scale, lse)  # inside shard_map
+    return loop(-(-n // rows), chunk, initial)
+
+
+def pair_grads(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
+               row_scale: jax.Array, g: jax.Array, rows: int,
+               stats: PairStats | None = None) -> tuple[PairStats, jax.Array, jax.Array]:
+    """Statistics, ``dx`` and ``dw`` of ``sum(g * divergence)``. ``stats`` given (the whole rows'): the backward
+    of a per-token loss, the logits recomputed; ``None``: each chunk's own statistics (whole rows), one pass."""
+    n = x.shape[0]
+    dtype = jnp.promote_types(x.dtype, w.dtype)
+
+    def chunk(i, carry: tuple[PairStats, jax.Array, jax.Array]) -> tuple[PairStats, jax.Array, jax.Array]:
+        all_stats, dx, dw = carry
+        start, first_new = chunk_start(i, rows, n)
+        piece = lambda values: jax.lax.dynamic_slice_in_dim(values, start, rows)  # noqa: E731
+        x_chunk, scale, g_chunk = piece(x), piece(row_scale), piece(g)
+        a, b, slope = _chunk_logits(x_chunk, w, piece(teacher_x), teacher_w, spec, scale)
+        part = pair_stats_of(a, b, spec) if stats is None else jax.tree.map(piece, stats)
+        owned = owned_rows(start, first_new, rows)
+        if owned is not None:  # rows an earlier chunk covered add nothing more to dw
+            g_chunk = jnp.where(owned, g_chunk, 0.0)
+        delta = pair_delta(a, b, slope, scale, part, g_chunk, spec).astype(dtype)
+        dw = dw + head.dw_product(x_chunk, delta, spec.w_layout)
+        put = lambda full, p: jax.lax.dynamic_update_slice_in_dim(full, p, start, 0)  # noqa: E731
+        dx_chunk = head.dx_product(delta, w, spec.w_layout).astype(x.dtype)
+        dx_chunk = dx_chunk if owned is None else jnp.where(owned[:, None], dx_chunk, piece(dx))
+        return jax.tree.map(put, all_stats, part), put(dx, dx_chunk), dw
+
+    initial = (_empty_stats(n, spec), jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32))
+    initial = vary_like(initial, x, w, teacher_x, teacher_w, row_scale, g, stats)
+    with head.precision_scope(spec.precision):
+        all_stats, dx, dw = loop(-(-n // rows), chunk, initial)
+    return all_stats, dx, dw.astype(w.dtype)
+
+
+def _empty_stats(n: int, spec: PairSpec) -> PairStats:
+    zeros = jnp.zeros((n,), jnp.float32)
+    return PairStats(zeros, zeros, zeros, zeros if spec.divergence == "jsd" else None)
