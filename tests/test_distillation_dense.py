@@ -89,6 +89,18 @@ def test_a_dense_teacher_matches_the_float64_oracle(pair_backend, divergence, re
           hard_label_weight=hard, weights=weights, implementation=pair_backend)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_dw_added_a_slice_of_columns_at_a_time_matches_the_oracle(monkeypatch, reduction):
+    """``xla`` adds each chunk's ``dw`` 128 columns at a time here (the last slice overlapping the one before)."""
+    from ce_xla import pair
+
+    monkeypatch.setattr(pair, "DW_SLICE_BYTES", 4 * 24 * 128)
+    x, labels, w = random_problem(25, (3, 7), 24, VOCAB)
+    teacher_x, teacher_w = teacher(26, (3, 7), 40, VOCAB)
+    check(x, w, teacher_x, teacher_w, labels, dtype="float32", w_layout="vh", divergence="jsd", reduction=reduction,
+          implementation="xla_chunked")
+
+
 def test_a_scalar_loss_forms_the_gradient_in_its_forward_pass_and_a_per_token_one_recomputes(monkeypatch):
     """``"mean"``: one pass (``pair_row_stats_and_grads``), its backward never recomputes; ``"none"``: the
     statistics, then ``pair_row_stats_vjp`` in the backward. The teacher takes zero gradient either way."""

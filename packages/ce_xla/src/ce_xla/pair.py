@@ -20,6 +20,9 @@ from ce_xla.loops import chunk_start, loop
 
 #: One float32 ``[rows, V]`` logits tile of a chunk (a chunk holds several: both heads, ``p``, ``delta``).
 TILE_BYTES = 32 * 2**20
+#: One float32 ``[H, columns]`` product added into ``dw`` at a time: the whole ``[H, V]`` product would be a
+#: second float32 ``dw`` (XLA on CPU does not accumulate a product into its operand in place).
+DW_SLICE_BYTES = 8 * 2**20
 
 
 def chunk_rows(n: int, vocab: int, tile_bytes: int = TILE_BYTES) -> int:
@@ -70,7 +73,7 @@ def pair_grads(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.
         if owned is not None:  # rows an earlier chunk covered add nothing more to dw
             g_chunk = jnp.where(owned, g_chunk, 0.0)
         delta = pair_delta(a, b, slope, scale, part, g_chunk, spec).astype(dtype)
-        dw = dw + head.dw_product(x_chunk, delta, spec.w_layout)
+        dw = _add_dw(dw, x_chunk, delta, spec.w_layout)
         put = lambda full, p: jax.lax.dynamic_update_slice_in_dim(full, p, start, 0)  # noqa: E731
         dx_chunk = head.dx_product(delta, w, spec.w_layout).astype(x.dtype)
         dx_chunk = dx_chunk if owned is None else jnp.where(owned[:, None], dx_chunk, piece(dx))
@@ -81,6 +84,24 @@ def pair_grads(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.
     with head.precision_scope(spec.precision):
         all_stats, dx, dw = loop(-(-n // rows), chunk, initial)
     return all_stats, dx, dw.astype(w.dtype)
+
+
+def _add_dw(dw: jax.Array, x_chunk: jax.Array, delta: jax.Array, layout: str) -> jax.Array:
+    """``dw`` plus ``x_chunk.T @ delta`` (in ``dw``'s layout), a slice of columns at a time."""
+    h, v = x_chunk.shape[1], delta.shape[1]
+    width = max(128, DW_SLICE_BYTES // (4 * h) // 128 * 128)
+    if width >= v:
+        return dw + head.dw_product(x_chunk, delta, layout)
+
+    def columns(j, dw: jax.Array) -> jax.Array:
+        start, first_new = chunk_start(j, width, v)
+        part = jax.lax.dynamic_slice_in_dim(delta, start, width, axis=1)
+        if first_new is not None:  # the last slice overlaps the one before: its shared columns are added once
+            part = jnp.where(jnp.arange(width) + start >= first_new, part, jnp.zeros((), part.dtype))
+        added = head.vocab_slice(dw, start, width, layout) + head.dw_product(x_chunk, part, layout)
+        return head.update_slice(dw, added, start, layout)
+
+    return loop(-(-v // width), columns, dw)
 
 
 def _empty_stats(n: int, spec: PairSpec) -> PairStats:
