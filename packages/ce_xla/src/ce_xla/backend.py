@@ -162,13 +162,14 @@ class XlaBackend(Backend):
                            stats: PairStats, g: jax.Array, spec: PairSpec, *,
                            row_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
         _, dx, dw = pair.pair_grads(x, w, teacher_x, teacher_w, spec, row_scale, g, self._pair_rows(x, w, spec),
-                                    stats)
+                                    stats, sliced_dw=target_platform() == "cpu")
         return dx, dw
 
     def pair_row_stats_and_grads(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
                                  spec: PairSpec, g: jax.Array, *,
                                  row_scale: jax.Array) -> tuple[PairStats, jax.Array, jax.Array]:
-        return pair.pair_grads(x, w, teacher_x, teacher_w, spec, row_scale, g, self._pair_rows(x, w, spec))
+        return pair.pair_grads(x, w, teacher_x, teacher_w, spec, row_scale, g, self._pair_rows(x, w, spec),
+                               sliced_dw=target_platform() == "cpu")
 
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "

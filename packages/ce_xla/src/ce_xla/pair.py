@@ -20,8 +20,9 @@ from ce_xla.loops import chunk_start, loop
 
 #: One float32 ``[rows, V]`` logits tile of a chunk (a chunk holds several: both heads, ``p``, ``delta``).
 TILE_BYTES = 32 * 2**20
-#: One float32 ``[H, columns]`` product added into ``dw`` at a time: the whole ``[H, V]`` product would be a
-#: second float32 ``dw`` (XLA on CPU does not accumulate a product into its operand in place).
+#: On CPU, one float32 ``[H, columns]`` product added into ``dw`` at a time: the whole ``[H, V]`` product would be
+#: a second float32 ``dw`` (XLA's CPU backend does not accumulate a product into its operand in place). TPU and GPU
+#: fuse the sum into the product's output, and there the sliced loop held more (v6e: 1,135 against 824 MB).
 DW_SLICE_BYTES = 8 * 2**20
 
 
@@ -55,10 +56,11 @@ def pair_row_stats(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: 
 
 
 def pair_grads(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
-               row_scale: jax.Array, g: jax.Array, rows: int,
-               stats: PairStats | None = None) -> tuple[PairStats, jax.Array, jax.Array]:
+               row_scale: jax.Array, g: jax.Array, rows: int, stats: PairStats | None = None,
+               sliced_dw: bool = False) -> tuple[PairStats, jax.Array, jax.Array]:
     """Statistics, ``dx`` and ``dw`` of ``sum(g * divergence)``. ``stats`` given (the whole rows'): the backward
-    of a per-token loss, the logits recomputed; ``None``: each chunk's own statistics (whole rows), one pass."""
+    of a per-token loss, the logits recomputed; ``None``: each chunk's own statistics (whole rows), one pass.
+    ``sliced_dw``: add each chunk's ``dw`` a slice of columns at a time (CPU: :data:`DW_SLICE_BYTES`)."""
     n = x.shape[0]
     dtype = jnp.promote_types(x.dtype, w.dtype)
 
@@ -73,7 +75,7 @@ def pair_grads(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.
         if owned is not None:  # rows an earlier chunk covered add nothing more to dw
             g_chunk = jnp.where(owned, g_chunk, 0.0)
         delta = pair_delta(a, b, slope, scale, part, g_chunk, spec).astype(dtype)
-        dw = _add_dw(dw, x_chunk, delta, spec.w_layout)
+        dw = _add_dw(dw, x_chunk, delta, spec.w_layout, sliced_dw)
         put = lambda full, p: jax.lax.dynamic_update_slice_in_dim(full, p, start, 0)  # noqa: E731
         dx_chunk = head.dx_product(delta, w, spec.w_layout).astype(x.dtype)
         dx_chunk = dx_chunk if owned is None else jnp.where(owned[:, None], dx_chunk, piece(dx))
@@ -86,11 +88,11 @@ def pair_grads(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.
     return all_stats, dx, dw.astype(w.dtype)
 
 
-def _add_dw(dw: jax.Array, x_chunk: jax.Array, delta: jax.Array, layout: str) -> jax.Array:
-    """``dw`` plus ``x_chunk.T @ delta`` (in ``dw``'s layout), a slice of columns at a time."""
+def _add_dw(dw: jax.Array, x_chunk: jax.Array, delta: jax.Array, layout: str, sliced: bool) -> jax.Array:
+    """``dw`` plus ``x_chunk.T @ delta`` (in ``dw``'s layout), ``sliced``: a slice of columns at a time."""
     h, v = x_chunk.shape[1], delta.shape[1]
     width = max(128, DW_SLICE_BYTES // (4 * h) // 128 * 128)
-    if width >= v:
+    if not sliced or width >= v:
         return dw + head.dw_product(x_chunk, delta, layout)
 
     def columns(j, dw: jax.Array) -> jax.Array:
