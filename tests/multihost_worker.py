@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import time
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,15 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ce_core
-from ce_core import linear_cross_entropy, linear_log_probs, sharded_linear_cross_entropy
-from ce_core.testing import covering_array, log_probs_oracle, max_rel_error, oracle, random_problem
+from ce_core import linear_cross_entropy, linear_distillation_loss, linear_log_probs, sharded_linear_cross_entropy
+from ce_core.testing import (
+    covering_array,
+    distillation_oracle,
+    log_probs_oracle,
+    max_rel_error,
+    oracle,
+    random_problem,
+)
 
 #: Short jax.distributed timeouts: a dead peer must end the job within a minute, not the defaults' minutes.
 HEARTBEAT_TIMEOUT_S = 10
@@ -122,6 +129,8 @@ class Checks:
         for backend in BACKENDS:
             if (ce_core.get_backend(backend).contract_version or 0) >= 3:
                 self.case(f"{backend} jit explicit w_layout=vh return_argmax", self.tied_argmax, backend)
+        for backend, mode in zip(BACKENDS, ("explicit", "auto"), strict=True):
+            self.case(f"{backend} linear_distillation_loss dense teacher jit {mode}", self.distillation, backend, mode)
         self.case("bad label named by the process that holds it", self.bad_label)
 
     def case(self, name: str, fn, *args) -> None:
@@ -221,6 +230,26 @@ class Checks:
         z = cap * np.tanh(self.x.astype(np.float64) @ self.w / cap)
         want = np.where(self.labels != -100, np.argmax(z, -1), -1)
         assert (gathered(argmax) == want).all(), "vh argmax"
+
+    def distillation(self, backend: str, mode: str) -> None:
+        """A dense teacher laid out like the student: tokens over "data", both vocabularies over "model" (under
+        Explicit axes; Auto's default layout splits every token), the JSD's statistics combined across processes."""
+        rng = np.random.default_rng(1)
+        teacher_x = rng.standard_normal((*BATCH, 32)).astype(np.float32)
+        teacher_w = (rng.standard_normal((32, V)) / np.sqrt(32)).astype(np.float32)
+        options: dict[str, Any] = dict(divergence="jsd", temperature=0.8, logit_soft_cap=3.0, hard_label_weight=0.2)
+        expected = distillation_oracle(self.x, self.w, teacher_x, teacher_w, self.labels, **options)
+        mesh = self.meshes[mode]
+
+        def put(value: np.ndarray, spec: P) -> jax.Array:
+            return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec), lambda index: value[index])
+
+        with self.entered(mode):
+            x, labels, w = self.place(mode, *LAYOUTS["data_x_vocab"])
+            tx, tw = put(teacher_x, P("data", None, None)), put(teacher_w, P(None, "model"))
+            loss, (dx, dw) = jax.jit(jax.value_and_grad(lambda a, b: linear_distillation_loss(
+                a, b, tx, tw, labels, implementation=backend, **options), argnums=(0, 1)))(x, w)
+        self.assert_loss_and_grads(f"distillation {mode}", loss, dx, dw, expected)
 
     def bad_label(self) -> None:
         """A bad label in each process's half of the tokens: each process names the one it holds, globally.

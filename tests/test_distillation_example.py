@@ -36,6 +36,8 @@ def test_the_fused_step_matches_materialised_logits(example, implementation="xla
         assert max_rel_error(got, want, floor=1e-6) <= 1e-4
 
 
+@pytest.mark.slow
 def test_on_policy_steps_bring_the_student_towards_the_teacher(example):
+    """The demo's loop, shortened: a teacher pretrained 20 steps, 8 on-policy steps of the student (slow tier: 11 s)."""
     log, _, _ = example.distill(example.DistillConfig(teacher_steps=20, steps=8))
     assert log[-1] < 0.8 * log[0], log
