@@ -43,8 +43,9 @@ def main(argv: list[str]) -> int:
     log_probs = jnp.asarray(np.log(rng.dirichlet(np.ones(args.k), n) * 0.9), jnp.float32)
 
     def distill(a, b, *teacher, implementation="xla"):
-        if args.teacher_hidden:  # the teacher as arguments: as constants XLA would fold its logits at compile time
-            return linear_distillation_loss(a, b, *teacher, labels, divergence=args.divergence,
+        if teacher:  # the teacher as arguments: as constants XLA would fold its logits at compile time
+            teacher_x, teacher_w = teacher
+            return linear_distillation_loss(a, b, teacher_x, teacher_w, labels, divergence=args.divergence,
                                             implementation=implementation)
         return linear_distillation_loss(a, b, labels=labels, teacher_indices=indices, teacher_log_probs=log_probs,
                                         hard_label_weight=0.1, implementation=implementation)
@@ -60,7 +61,7 @@ def main(argv: list[str]) -> int:
         teacher = (jnp.asarray(rng.standard_normal((n, ht)), args.dtype),
                    jnp.asarray(rng.standard_normal((ht, v)) / np.sqrt(ht), args.dtype))
         contenders.append(("materialised", lambda a, b, *t: distill(a, b, *t, implementation="reference")))
-        contenders.append(("plain_jax", lambda a, b, *t: plain_jax_divergence(a, b, *t, args.divergence)))
+        contenders.append(("plain_jax", lambda a, b, tx, tw: plain_jax_divergence(a, b, tx, tw, args.divergence)))
     steps = {name: jax.jit(jax.value_and_grad(fn, argnums=(0, 1))) for name, fn in contenders}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
@@ -71,8 +72,8 @@ def main(argv: list[str]) -> int:
             jax.block_until_ready(step(x, w, *teacher))
             times[name].append((time.perf_counter() - start) * 1e3)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    teacher = f"dense Ht={args.teacher_hidden} {args.divergence}" if args.teacher_hidden else f"k={args.k}"
-    line = (f"{args.shape} {args.dtype} {teacher}: plain {medians['plain']:.1f} ms, distillation "
+    kind = f"dense Ht={args.teacher_hidden} {args.divergence}" if args.teacher_hidden else f"k={args.k}"
+    line = (f"{args.shape} {args.dtype} {kind}: plain {medians['plain']:.1f} ms, distillation "
             f"{medians['distill']:.1f} ms, ratio {medians['distill'] / medians['plain']:.3f}")
     if "materialised" in medians:
         line += (f"; materialised (reference) {medians['materialised']:.1f} ms, xla / materialised "
