@@ -247,8 +247,9 @@ class Checks:
         with self.entered(mode):
             x, labels, w = self.place(mode, *LAYOUTS["data_x_vocab"])
             tx, tw = put(teacher_x, P("data", None, None)), put(teacher_w, P(None, "model"))
-            loss, (dx, dw) = jax.jit(jax.value_and_grad(lambda a, b: linear_distillation_loss(
-                a, b, tx, tw, labels, implementation=backend, **options), argnums=(0, 1)))(x, w)
+            # Global arrays are arguments (a closure over arrays that span other processes is refused).
+            loss, (dx, dw) = jax.jit(jax.value_and_grad(lambda a, b, c, d, y: linear_distillation_loss(
+                a, b, c, d, y, implementation=backend, **options), argnums=(0, 1)))(x, w, tx, tw, labels)
         self.assert_loss_and_grads(f"distillation {mode}", loss, dx, dw, expected)
 
     def bad_label(self) -> None:
