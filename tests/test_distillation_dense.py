@@ -101,6 +101,28 @@ def test_dw_added_a_slice_of_columns_at_a_time_matches_the_oracle(monkeypatch, r
           implementation="xla_chunked")
 
 
+@pytest.mark.parametrize(("reduction", "passes"), [("mean", 1), ("none", 2)])
+def test_ignored_tokens_cost_no_chunk_on_xla(monkeypatch, reduction, passes):
+    """A prompt of 15 ignored tokens in each of 3 sequences of 7 + 15: ``xla`` runs ``ceil(live / 8)`` chunks of its
+    8-row tiles per pass (the live rows gathered to the front), not ``ceil(66 / 8)``; values as the oracle's."""
+    from ce_xla import pair
+
+    chunks: list[int] = []
+    original = pair._chunk_logits
+
+    def counted(*args, **kwargs):
+        jax.debug.callback(lambda: chunks.append(1))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pair, "_chunk_logits", counted)
+    x, labels, w = random_problem(27, (3, 22), 24, VOCAB, ignore_fraction=0.0)
+    labels[:, :15] = -100
+    teacher_x, teacher_w = teacher(28, (3, 22), 40, VOCAB)
+    check(x, w, teacher_x, teacher_w, labels, dtype="float32", divergence="reverse_kl", reduction=reduction,
+          implementation="xla_chunked")
+    assert len(chunks) == passes * -(-21 // 8)
+
+
 def test_a_scalar_loss_forms_the_gradient_in_its_forward_pass_and_a_per_token_one_recomputes(monkeypatch):
     """``"mean"``: one pass (``pair_row_stats_and_grads``), its backward never recomputes; ``"none"``: the
     statistics, then ``pair_row_stats_vjp`` in the backward. The teacher takes zero gradient either way."""

@@ -61,14 +61,16 @@ class ReferenceBackend(Backend):
         return row_stats(x, w, labels, spec, row_scale)
 
     def pair_row_stats(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                       spec: PairSpec, *, row_scale: jax.Array,
-                       lse: tuple[jax.Array, jax.Array] | None = None) -> PairStats:
+                       spec: PairSpec, *, row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None = None,
+                       live: jax.Array | None = None) -> PairStats:
+        del live  # every row computed: ce_core hands dead rows in as zeros, with g = 0
         a, b, _ = _pair_logits(x, w, teacher_x, teacher_w, spec, row_scale)
         return pair_stats_of(a, b, spec, lse)
 
     def pair_row_stats_vjp(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                           stats: PairStats, g: jax.Array, spec: PairSpec, *,
-                           row_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+                           stats: PairStats, g: jax.Array, spec: PairSpec, *, row_scale: jax.Array,
+                           live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        del live
         a, b, slope = _pair_logits(x, w, teacher_x, teacher_w, spec, row_scale)
         delta = pair_delta(a, b, slope, row_scale, stats, g, spec)
         operand = delta.astype(jnp.promote_types(x.dtype, w.dtype))

@@ -152,24 +152,24 @@ class XlaBackend(Backend):
         return pair.chunk_rows(x.shape[0], vocab, self.budget_bytes or pair.TILE_BYTES)
 
     def pair_row_stats(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                       spec: PairSpec, *, row_scale: jax.Array,
-                       lse: tuple[jax.Array, jax.Array] | None = None) -> PairStats:
+                       spec: PairSpec, *, row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None = None,
+                       live: jax.Array | None = None) -> PairStats:
         with head.precision_scope(spec.precision):
             return pair.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale, lse,
-                                       self._pair_rows(x, w, spec))
+                                       self._pair_rows(x, w, spec), _live(live))
 
     def pair_row_stats_vjp(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                           stats: PairStats, g: jax.Array, spec: PairSpec, *,
-                           row_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+                           stats: PairStats, g: jax.Array, spec: PairSpec, *, row_scale: jax.Array,
+                           live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         _, dx, dw = pair.pair_grads(x, w, teacher_x, teacher_w, spec, row_scale, g, self._pair_rows(x, w, spec),
-                                    stats, sliced_dw=target_platform() == "cpu")
+                                    stats, sliced_dw=target_platform() == "cpu", live=_live(live))
         return dx, dw
 
     def pair_row_stats_and_grads(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                                 spec: PairSpec, g: jax.Array, *,
-                                 row_scale: jax.Array) -> tuple[PairStats, jax.Array, jax.Array]:
+                                 spec: PairSpec, g: jax.Array, *, row_scale: jax.Array,
+                                 live: jax.Array | None = None) -> tuple[PairStats, jax.Array, jax.Array]:
         return pair.pair_grads(x, w, teacher_x, teacher_w, spec, row_scale, g, self._pair_rows(x, w, spec),
-                               sliced_dw=target_platform() == "cpu")
+                               sliced_dw=target_platform() == "cpu", live=_live(live))
 
     def __repr__(self) -> str:
         return (f"XlaBackend(budget_bytes={self.budget_bytes}, grad_budget_bytes={self.grad_budget_bytes}, "

@@ -5,7 +5,9 @@ Each chunk forms both heads' ``[rows, V]`` logits and takes the contract's eleme
 stands, and when the divergence's cotangent is known in advance (a scalar loss) its ``delta``, its ``dx`` rows
 and its share of ``dw`` (float32 across chunks) come from the same logits: ``2N(Hs + Ht)V + 4N Hs V`` of
 products, what a step that materialises both heads runs. The backward of a per-token loss recomputes both
-heads (``2N(Hs + Ht)V`` more). ``rows`` keeps one float32 ``[rows, V]`` tile within ``tile_bytes``.
+heads (``2N(Hs + Ht)V`` more). ``rows`` keeps one float32 ``[rows, V]`` tile within ``tile_bytes``. With ``live``
+(the rows ce_core needs), the live rows are gathered to the front and only the chunks that hold them run
+(:class:`ce_xla.loops.TokenRows`), so ignored tokens (a prompt, padding) cost no product.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 from ce_core.extend import PairSpec, PairStats, pair_delta, pair_stats_of, scaled_logits, vary_like
 from ce_xla import head
 from ce_xla.backward import owned_rows
-from ce_xla.loops import chunk_start, loop
+from ce_xla.loops import TokenRows, chunk_start, loop
 
 #: One float32 ``[rows, V]`` logits tile of a chunk (a chunk holds several: both heads, ``p``, ``delta``).
 TILE_BYTES = 32 * 2**20
@@ -40,51 +42,56 @@ def _chunk_logits(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: j
 
 
 def pair_row_stats(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
-                   row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None, rows: int) -> PairStats:
-    """:class:`PairStats` of every row, a chunk of ``rows`` at a time."""
+                   row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None, rows: int,
+                   live: jax.Array | None = None) -> PairStats:
+    """:class:`PairStats` of every (live) row, a chunk of ``rows`` at a time (0 at rows no chunk ran)."""
     n = x.shape[0]
+    token_rows = TokenRows.of(n, live, most_rows=rows)
 
     def chunk(i, stats: PairStats) -> PairStats:
         start, _ = chunk_start(i, rows, n)
-        piece = lambda values: jax.lax.dynamic_slice_in_dim(values, start, rows)  # noqa: E731
-        a, b, _ = _chunk_logits(piece(x), w, piece(teacher_x), teacher_w, spec, piece(row_scale))
+        piece = lambda values: token_rows.take(values, start, rows)  # noqa: E731
+        a, b, _ = _chunk_logits(token_rows.take_rows(x, start, rows), w, token_rows.take_rows(teacher_x, start, rows),
+                                teacher_w, spec, piece(row_scale))
         part = pair_stats_of(a, b, spec, None if lse is None else (piece(lse[0]), piece(lse[1])))
-        return jax.tree.map(lambda full, p: jax.lax.dynamic_update_slice_in_dim(full, p, start, 0), stats, part)
+        return jax.tree.map(lambda full, p: token_rows.put(full, p, start), stats, part)
 
-    initial = vary_like(_empty_stats(n, spec), x, w, teacher_x, teacher_w, row_scale, lse)  # inside shard_map
-    return loop(-(-n // rows), chunk, initial)
+    initial = vary_like(_empty_stats(n, spec), x, w, teacher_x, teacher_w, row_scale, lse, token_rows.order)
+    return loop(token_rows.chunks(rows), chunk, initial)
 
 
 def pair_grads(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
                row_scale: jax.Array, g: jax.Array, rows: int, stats: PairStats | None = None,
-               sliced_dw: bool = False) -> tuple[PairStats, jax.Array, jax.Array]:
+               sliced_dw: bool = False, live: jax.Array | None = None) -> tuple[PairStats, jax.Array, jax.Array]:
     """Statistics, ``dx`` and ``dw`` of ``sum(g * divergence)``. ``stats`` given (the whole rows'): the backward
     of a per-token loss, the logits recomputed; ``None``: each chunk's own statistics (whole rows), one pass.
-    ``sliced_dw``: add each chunk's ``dw`` a slice of columns at a time (CPU: :data:`DW_SLICE_BYTES`)."""
+    ``sliced_dw``: add each chunk's ``dw`` a slice of columns at a time (CPU: :data:`DW_SLICE_BYTES`). Dead rows
+    (``live`` false) must have ``g = 0``: their ``dx`` rows stay 0."""
     n = x.shape[0]
     dtype = jnp.promote_types(x.dtype, w.dtype)
+    token_rows = TokenRows.of(n, live, most_rows=rows)
 
     def chunk(i, carry: tuple[PairStats, jax.Array, jax.Array]) -> tuple[PairStats, jax.Array, jax.Array]:
         all_stats, dx, dw = carry
         start, first_new = chunk_start(i, rows, n)
-        piece = lambda values: jax.lax.dynamic_slice_in_dim(values, start, rows)  # noqa: E731
-        x_chunk, scale, g_chunk = piece(x), piece(row_scale), piece(g)
-        a, b, slope = _chunk_logits(x_chunk, w, piece(teacher_x), teacher_w, spec, scale)
+        piece = lambda values: token_rows.take(values, start, rows)  # noqa: E731
+        x_chunk, scale, g_chunk = token_rows.take_rows(x, start, rows), piece(row_scale), piece(g)
+        a, b, slope = _chunk_logits(x_chunk, w, token_rows.take_rows(teacher_x, start, rows), teacher_w, spec, scale)
         part = pair_stats_of(a, b, spec) if stats is None else jax.tree.map(piece, stats)
         owned = owned_rows(start, first_new, rows)
         if owned is not None:  # rows an earlier chunk covered add nothing more to dw
             g_chunk = jnp.where(owned, g_chunk, 0.0)
         delta = pair_delta(a, b, slope, scale, part, g_chunk, spec).astype(dtype)
         dw = _add_dw(dw, x_chunk, delta, spec.w_layout, sliced_dw)
-        put = lambda full, p: jax.lax.dynamic_update_slice_in_dim(full, p, start, 0)  # noqa: E731
+        put = lambda full, p: token_rows.put(full, p, start)  # noqa: E731
         dx_chunk = head.dx_product(delta, w, spec.w_layout).astype(x.dtype)
         dx_chunk = dx_chunk if owned is None else jnp.where(owned[:, None], dx_chunk, piece(dx))
         return jax.tree.map(put, all_stats, part), put(dx, dx_chunk), dw
 
     initial = (_empty_stats(n, spec), jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32))
-    initial = vary_like(initial, x, w, teacher_x, teacher_w, row_scale, g, stats)
+    initial = vary_like(initial, x, w, teacher_x, teacher_w, row_scale, g, stats, token_rows.order)
     with head.precision_scope(spec.precision):
-        all_stats, dx, dw = loop(-(-n // rows), chunk, initial)
+        all_stats, dx, dw = loop(token_rows.chunks(rows), chunk, initial)
     return all_stats, dx, dw.astype(w.dtype)
 
 

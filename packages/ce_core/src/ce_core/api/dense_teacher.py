@@ -84,47 +84,54 @@ class PairRun:
             return dataclasses.replace(self.placement, w_layout=self.spec.teacher_w_layout).spec("w")
         return self.placement.spec({"teacher_x": "x"}.get(kind, kind))
 
-    # One shard's computations: x, w, teacher_x, teacher_w, row_scale[, statistics][, g] in; nothing differentiated.
+    # One shard's computations: x, w, teacher_x, teacher_w, row_scale, live (float32 1/0, so that it takes a
+    # zero cotangent like the rest)[, statistics][, g] in; nothing differentiated. Every shard of a token runs
+    # the same chunks (the live rows are the same on its vocab shards), so their collectives line up.
 
-    def shard_stats(self, axes: ShardAxes, x, w, teacher_x, teacher_w, row_scale) -> tuple[jax.Array, ...]:
+    def shard_stats(self, axes: ShardAxes, x, w, teacher_x, teacher_w, row_scale, live) -> tuple[jax.Array, ...]:
         """The whole rows' statistics of this shard's tokens, token-shaped."""
         rows = self._rows(x, w, teacher_x, teacher_w, row_scale)
-        return tuple(value.reshape(row_scale.shape) for value in self._whole_stats(axes, *rows) if value is not None)
+        stats = self._whole_stats(axes, *rows, _live_mask(live))
+        return tuple(value.reshape(row_scale.shape) for value in stats if value is not None)
 
-    def shard_vjp(self, axes: ShardAxes, x, w, teacher_x, teacher_w, row_scale, *stats_and_g) -> tuple[jax.Array, ...]:
+    def shard_vjp(self, axes: ShardAxes, x, w, teacher_x, teacher_w, row_scale, live,
+                  *stats_and_g) -> tuple[jax.Array, ...]:
         """``dx, dw`` of ``sum(g * divergence)`` from the whole rows' statistics."""
         *stats, g = stats_and_g
         xf, w_, txf, tw_, sf, gf, *flat_stats = align_varying(*self._rows(x, w, teacher_x, teacher_w, row_scale),
                                                                g.reshape(-1), *(s.reshape(-1) for s in stats))
         dx, dw = self.backend.pair_row_stats_vjp(xf, w_, txf, tw_, PairStats(*flat_stats), gf, self.spec,
-                                                 row_scale=sf)
+                                                 row_scale=sf, live=_live_mask(live))
         return self._summed(axes, x, w, dx, dw)
 
-    def shard_fused(self, axes: ShardAxes, x, w, teacher_x, teacher_w, row_scale, g) -> tuple[jax.Array, ...]:
+    def shard_fused(self, axes: ShardAxes, x, w, teacher_x, teacher_w, row_scale, live, g) -> tuple[jax.Array, ...]:
         """The divergence per token and the ``dx, dw`` of ``sum(g * divergence)``: one pass without vocab shards."""
         rows = self._rows(x, w, teacher_x, teacher_w, row_scale)
+        mask = _live_mask(live)
         if axes.vocab:
-            stats = self._whole_stats(axes, *rows)
+            stats = self._whole_stats(axes, *rows, mask)
             xf, w_, txf, tw_, sf, gf, *flat_stats = align_varying(*rows, g.reshape(-1), *stats)
             dx, dw = self.backend.pair_row_stats_vjp(xf, w_, txf, tw_, PairStats(*flat_stats), gf, self.spec,
-                                                     row_scale=sf)
+                                                     row_scale=sf, live=mask)
         else:
             xf, w_, txf, tw_, sf, gf = align_varying(*rows, g.reshape(-1))
-            stats, dx, dw = self.backend.pair_row_stats_and_grads(xf, w_, txf, tw_, self.spec, gf, row_scale=sf)
+            stats, dx, dw = self.backend.pair_row_stats_and_grads(xf, w_, txf, tw_, self.spec, gf, row_scale=sf,
+                                                                  live=mask)
         return (stats.divergence.reshape(row_scale.shape), *self._summed(axes, x, w, dx, dw))
 
-    def _rows(self, x, w, teacher_x, teacher_w, row_scale) -> tuple[jax.Array, ...]:
+    def _rows(self, x, w, teacher_x, teacher_w, row_scale) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array,
+                                                                     jax.Array]:
         return (x.reshape(-1, x.shape[-1]), w, teacher_x.reshape(-1, teacher_x.shape[-1]), teacher_w,
                 row_scale.reshape(-1))
 
-    def _whole_stats(self, axes: ShardAxes, x, w, teacher_x, teacher_w, row_scale) -> PairStats:
+    def _whole_stats(self, axes: ShardAxes, x, w, teacher_x, teacher_w, row_scale, live) -> PairStats:
         """This shard's tokens' statistics over the whole vocabulary (combined over the vocab shards)."""
         xf, w_, txf, tw_, sf = align_varying(x, w, teacher_x, teacher_w, row_scale)
-        local = self.backend.pair_row_stats(xf, w_, txf, tw_, self.spec, row_scale=sf)
+        local = self.backend.pair_row_stats(xf, w_, txf, tw_, self.spec, row_scale=sf, live=live)
         if not axes.vocab:
             return local
         lse = (_combined_lse(local.lse, axes.vocab), _combined_lse(local.teacher_lse, axes.vocab))
-        part = self.backend.pair_row_stats(xf, w_, txf, tw_, self.spec, row_scale=sf, lse=lse)
+        part = self.backend.pair_row_stats(xf, w_, txf, tw_, self.spec, row_scale=sf, lse=lse, live=live)
         summed = None if part.student_term is None else jax.lax.psum(part.student_term, axes.vocab)
         return PairStats(*lse, jax.lax.psum(part.divergence, axes.vocab), summed)
 
@@ -136,29 +143,38 @@ class PairRun:
         return dx, dw
 
 
+def _live_mask(live: jax.Array) -> jax.Array:
+    """The bool ``[rows]`` mask of live rows from the float32 1/0 the shard functions take."""
+    return live.reshape(-1) > 0
+
+
 def _combined_lse(lse: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     peak = jax.lax.pmax(lse, axes)
     return peak + jnp.log(jax.lax.psum(jnp.exp(lse - peak), axes))
 
 
 def per_token_divergence(run: PairRun, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                         row_scale: jax.Array) -> jax.Array:
-    """The divergence of each token (float32, ``row_scale``'s shape), differentiable in ``x`` and ``w``."""
-    return _compiled_if_sharded(run, _per_token)(run, x, w, teacher_x, teacher_w, row_scale)
+                         row_scale: jax.Array, live: jax.Array) -> jax.Array:
+    """The divergence of each token (float32, ``row_scale``'s shape; 0 where ``live`` is false), differentiable in
+    ``x`` and ``w``. Dead tokens' rows must be zeros and their cotangents 0 (a backend may skip them)."""
+    return _compiled_if_sharded(run, _per_token)(run, x, w, teacher_x, teacher_w, row_scale, live)
 
 
 def weighted_divergence(run: PairRun, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                        row_scale: jax.Array, coefficient: jax.Array) -> jax.Array:
-    """``sum(coefficient * divergence)`` (a float32 scalar), its gradient formed with the statistics."""
-    return _compiled_if_sharded(run, _weighted)(run, x, w, teacher_x, teacher_w, row_scale, coefficient)
+                        row_scale: jax.Array, live: jax.Array, coefficient: jax.Array) -> jax.Array:
+    """``sum(coefficient * divergence)`` (a float32 scalar), its gradient formed with the statistics; dead tokens
+    (``live`` false, zero rows, coefficient 0) may be skipped."""
+    return _compiled_if_sharded(run, _weighted)(run, x, w, teacher_x, teacher_w, row_scale, live, coefficient)
 
 
-def _per_token(run: PairRun, x, w, teacher_x, teacher_w, row_scale) -> jax.Array:
-    return run.restore(_per_token_op(run)(*run.lay_out(x, w, teacher_x, teacher_w, row_scale)), row_scale.shape)
+def _per_token(run: PairRun, x, w, teacher_x, teacher_w, row_scale, live) -> jax.Array:
+    divergence = _per_token_op(run)(*run.lay_out(x, w, teacher_x, teacher_w, row_scale, live.astype(jnp.float32)))
+    return jnp.where(live, run.restore(divergence, row_scale.shape), 0.0)
 
 
-def _weighted(run: PairRun, x, w, teacher_x, teacher_w, row_scale, coefficient) -> jax.Array:
-    return _weighted_op(run)(*run.lay_out(x, w, teacher_x, teacher_w, row_scale, coefficient))
+def _weighted(run: PairRun, x, w, teacher_x, teacher_w, row_scale, live, coefficient) -> jax.Array:
+    return _weighted_op(run)(*run.lay_out(x, w, teacher_x, teacher_w, row_scale, live.astype(jnp.float32),
+                                          coefficient))
 
 
 def _compiled_if_sharded(run: PairRun, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -176,7 +192,7 @@ def _teacher_zeros(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(jnp.zeros_like(array) for array in arrays)
 
 
-_HEADS = ("x", "w", "teacher_x", "teacher_w", "tokens")
+_HEADS = ("x", "w", "teacher_x", "teacher_w", "tokens", "tokens")  # ..., row_scale, live
 
 
 @functools.lru_cache(maxsize=64)
@@ -187,18 +203,18 @@ def _per_token_op(run: PairRun) -> Any:
         return run.run(run.shard_stats, _HEADS, ("tokens",) * n_stats, *args)
 
     @jax.custom_vjp
-    def divergence(x, w, teacher_x, teacher_w, row_scale):
-        return stats(x, w, teacher_x, teacher_w, row_scale)[2]
+    def divergence(x, w, teacher_x, teacher_w, row_scale, live):
+        return stats(x, w, teacher_x, teacher_w, row_scale, live)[2]
 
-    def forward(x, w, teacher_x, teacher_w, row_scale):
-        values = stats(x, w, teacher_x, teacher_w, row_scale)
-        return values[2], (x, w, teacher_x, teacher_w, row_scale, values)
+    def forward(x, w, teacher_x, teacher_w, row_scale, live):
+        values = stats(x, w, teacher_x, teacher_w, row_scale, live)
+        return values[2], (x, w, teacher_x, teacher_w, row_scale, live, values)
 
     def backward(residuals, g):
-        x, w, teacher_x, teacher_w, row_scale, values = residuals
+        x, w, teacher_x, teacher_w, row_scale, live, values = residuals
         dx, dw = run.run(run.shard_vjp, (*_HEADS, *("tokens",) * (n_stats + 1)), ("x", "w"),
-                         x, w, teacher_x, teacher_w, row_scale, *values, g.astype(jnp.float32))
-        return (dx, dw, *_teacher_zeros(teacher_x, teacher_w, row_scale))
+                         x, w, teacher_x, teacher_w, row_scale, live, *values, g.astype(jnp.float32) * live)
+        return (dx, dw, *_teacher_zeros(teacher_x, teacher_w, row_scale, live))
 
     divergence.defvjp(forward, backward)
     return divergence
@@ -209,19 +225,20 @@ def _weighted_op(run: PairRun) -> Any:
     n_stats = 4 if run.spec.divergence == "jsd" else 3
 
     @jax.custom_vjp
-    def total(x, w, teacher_x, teacher_w, row_scale, coefficient):  # not differentiated: no gradient formed
-        values = run.run(run.shard_stats, _HEADS, ("tokens",) * n_stats, x, w, teacher_x, teacher_w, row_scale)
-        return jnp.sum(coefficient * values[2])
+    def total(x, w, teacher_x, teacher_w, row_scale, live, coefficient):  # not differentiated: no gradient formed
+        values = run.run(run.shard_stats, _HEADS, ("tokens",) * n_stats, x, w, teacher_x, teacher_w, row_scale, live)
+        return jnp.sum(coefficient * live * values[2])
 
-    def forward(x, w, teacher_x, teacher_w, row_scale, coefficient):
+    def forward(x, w, teacher_x, teacher_w, row_scale, live, coefficient):
         divergence, dx, dw = run.run(run.shard_fused, (*_HEADS, "tokens"), ("tokens", "x", "w"),
-                                     x, w, teacher_x, teacher_w, row_scale, coefficient)
-        return jnp.sum(coefficient * divergence), (dx, dw, teacher_x, teacher_w, row_scale, coefficient)
+                                     x, w, teacher_x, teacher_w, row_scale, live, coefficient * live)
+        return (jnp.sum(coefficient * live * divergence),
+                (dx, dw, teacher_x, teacher_w, row_scale, live, coefficient))
 
     def backward(residuals, g):
-        dx, dw, teacher_x, teacher_w, row_scale, coefficient = residuals
+        dx, dw, teacher_x, teacher_w, row_scale, live, coefficient = residuals
         return ((g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype),
-                *_teacher_zeros(teacher_x, teacher_w, row_scale, coefficient))
+                *_teacher_zeros(teacher_x, teacher_w, row_scale, live, coefficient))
 
     total.defvjp(forward, backward)
     return total

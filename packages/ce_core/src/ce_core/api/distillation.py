@@ -266,14 +266,14 @@ def _dense_loss(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax
     # The hard label's targets (it needs labels); without labels, any id (nothing reads it).
     target = jnp.where(counted, 0 if labels is None else jnp.asarray(labels), UNCOUNTED).astype(jnp.int32)
     if reduction == "none":
-        per_token = per_token_divergence(run, rows, w, teacher_rows, teacher_w, row_scale) + nan_if_bad
+        per_token = per_token_divergence(run, rows, w, teacher_rows, teacher_w, row_scale, counted) + nan_if_bad
         if hard:
             per_token = per_token + hard * linear_cross_entropy(x, target, w, reduction="none", **student)
         return jnp.where(counted, token_weight * per_token, 0.0)
     norm = jnp.sum(token_weight) if reduction == "mean" else jnp.ones((), jnp.float32)
     norm = jnp.where(norm != 0, norm, 1.0)
     coefficient = jax.lax.stop_gradient(token_weight / norm)
-    total = weighted_divergence(run, rows, w, teacher_rows, teacher_w, row_scale, coefficient)
+    total = weighted_divergence(run, rows, w, teacher_rows, teacher_w, row_scale, counted, coefficient)
     total = total + jnp.sum(nan_if_bad)
     if hard:
         total = total + hard * linear_cross_entropy(x, target, w, reduction="sum", weights=token_weight / norm,

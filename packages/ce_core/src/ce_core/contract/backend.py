@@ -256,36 +256,39 @@ class Backend(abc.ABC):
         return stats._replace(max=extra[0], argmax=extra[1]), dx, dw
 
     def pair_row_stats(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                       spec: PairSpec, *, row_scale: jax.Array,
-                       lse: tuple[jax.Array, jax.Array] | None = None) -> PairStats:
+                       spec: PairSpec, *, row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None = None,
+                       live: jax.Array | None = None) -> PairStats:
         """:class:`PairStats` of the student ``s * cap_s(x @ w)`` and the teacher ``s * cap_t(teacher_x @ teacher_w)``.
 
         ``x [N, Hs]``, ``teacher_x [N, Ht]``, both heads over the same ``V`` columns in their own layouts,
         ``row_scale`` float32 ``[N]``; ``lse``: the whole rows' ``(lse, teacher_lse)`` when the heads are one vocab
-        shard (the sums are then the shard's part). Not differentiated: ce_core calls :meth:`pair_row_stats_vjp`.
-        Backends before version 5 are refused for these calls; this default says so.
+        shard (the sums are then the shard's part). ``live`` (bool ``[N]`` or None): the rows whose outputs are
+        needed, as in "Dead rows": ce_core hands the others in as zero rows with ``g = 0`` (so computing them is
+        harmless) and never reads their statistics; a backend may skip them, leaving their ``dx`` rows 0. Not
+        differentiated: ce_core calls :meth:`pair_row_stats_vjp`. Backends before version 5 are refused for these
+        calls; this default says so.
         """
-        del x, w, teacher_x, teacher_w, spec, row_scale, lse
+        del x, w, teacher_x, teacher_w, spec, row_scale, lse, live
         raise UnsupportedError(f"backend {self.name!r} implements contract version {self.contract_version}, "
                                f"which lacks the pair statistics of a dense distillation teacher "
                                f"(version {PAIR_VERSION})")
 
     def pair_row_stats_vjp(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                           stats: PairStats, g: jax.Array, spec: PairSpec, *,
-                           row_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+                           stats: PairStats, g: jax.Array, spec: PairSpec, *, row_scale: jax.Array,
+                           live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The student's ``dx, dw`` for a cotangent ``g`` (float32 ``[N]``) of ``stats.divergence``, given the whole
-        rows' statistics (the teacher takes no gradient)."""
-        del x, w, teacher_x, teacher_w, stats, g, spec, row_scale
+        rows' statistics (the teacher takes no gradient); ``live`` as for :meth:`pair_row_stats`."""
+        del x, w, teacher_x, teacher_w, stats, g, spec, row_scale, live
         raise UnsupportedError(f"backend {self.name!r} lacks pair statistics (contract version {PAIR_VERSION})")
 
     def pair_row_stats_and_grads(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
-                                 spec: PairSpec, g: jax.Array, *,
-                                 row_scale: jax.Array) -> tuple[PairStats, jax.Array, jax.Array]:
+                                 spec: PairSpec, g: jax.Array, *, row_scale: jax.Array,
+                                 live: jax.Array | None = None) -> tuple[PairStats, jax.Array, jax.Array]:
         """Statistics and the ``dx, dw`` of ``sum(g * divergence)``, ``g`` known in advance (a scalar loss): a
         backend holding each token chunk's whole rows forms the gradient in the same pass. This default runs
         :meth:`pair_row_stats` then :meth:`pair_row_stats_vjp` (the logits recomputed)."""
-        stats = self.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale=row_scale)
-        dx, dw = self.pair_row_stats_vjp(x, w, teacher_x, teacher_w, stats, g, spec, row_scale=row_scale)
+        stats = self.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale=row_scale, live=live)
+        dx, dw = self.pair_row_stats_vjp(x, w, teacher_x, teacher_w, stats, g, spec, row_scale=row_scale, live=live)
         return stats, dx, dw
 
     def _stats(self, x: jax.Array, w: jax.Array, labels: jax.Array, spec: StatsSpec,
