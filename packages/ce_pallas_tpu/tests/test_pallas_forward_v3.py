@@ -248,14 +248,18 @@ def test_only_a_streamed_vh_kernel_leaves_the_label_logit_to_the_wrapper(interpr
             np.testing.assert_array_equal(np.asarray(ours), np.asarray(other))
 
 
-@pytest.mark.parametrize("x_dtype,precision,chunk", [("float32", "default", None), ("float32", "highest", 16),
-                                                     ("bfloat16", "default", 24)])
-def test_label_logits_round_the_operands_as_the_kernel_does(monkeypatch, x_dtype, precision, chunk):
+@pytest.mark.parametrize("x_dtype,precision,chunk,columns", [("float32", "default", None, 128),
+                                                             ("float32", "highest", 16, None),
+                                                             ("bfloat16", "default", 24, 128)])
+def test_label_logits_round_the_operands_as_the_kernel_does(monkeypatch, x_dtype, precision, chunk, columns):
     """:func:`label_logits` against the float64 oracle of the operands as the MXU takes them: rounded to
     bf16 at the default precision, whole at ``highest``; capped, scaled, and 0 for another shard's labels;
-    in one piece, or in chunks of ``chunk`` tokens (77 is not a multiple of either)."""
+    in one piece, or in chunks of ``chunk`` tokens (77 is not a multiple of either); the rows gathered whole or
+    from slices of ``columns`` columns (200 is not a multiple of 128)."""
     if chunk is not None:
         monkeypatch.setattr(forward, "LABEL_ROWS_BYTES", chunk * H * 4)
+    if columns is not None:
+        monkeypatch.setattr(forward, "LABEL_COLUMNS_BYTES", columns * V * 4)
     rng = np.random.default_rng(32)
     x = rng.normal(size=(N, H)).astype(np.float32)
     w = (rng.normal(size=(V, H)) / np.sqrt(H)).astype(np.float32)

@@ -145,3 +145,11 @@ def test_a_random_shape_compiles_or_is_refused_while_tracing(index):
     assert result.ok and result.temp_bytes is not None, f"{problem}: {result.error}"
     bound = hbm_bound(problem.generation, problem.n, problem.h, problem.v)
     assert result.temp_bytes <= bound, f"{problem}: {result.temp_bytes} temporary bytes > {bound}"
+
+
+def test_a_small_tied_head_near_the_scoped_vmem_limit_compiles():
+    """Found by seed 484646072: a ``[1898, 4328]`` bf16 head on v6e, whose label-row gather XLA staged whole in
+    scoped VMEM (35.7 MiB against 32), did not compile; small heads are now gathered from column slices."""
+    problem = RandomProblem("v6e", 244, 4328, 1898, "bfloat16", "vh", (("logit_soft_cap", 30.0),))
+    result = _compile(problem)
+    assert result.ok and result.temp_bytes is not None, f"{problem}: {result.error}"

@@ -497,6 +497,10 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
 #: chunks of at most this many bytes of rows, so a tied head's temporaries stay those of an untied one
 #: (within 8 MiB; ``test_pallas_tied_memory.py``).
 LABEL_ROWS_BYTES = 4 * 2**20
+#: A ``[V, H]`` head of at most ``LABEL_STAGED_BYTES`` is gathered by :func:`label_logits` from column slices of at
+#: most ``LABEL_COLUMNS_BYTES`` each (XLA may stage a small gather operand whole in scoped VMEM).
+LABEL_STAGED_BYTES = 64 * 2**20
+LABEL_COLUMNS_BYTES = 8 * 2**20
 
 
 def label_logits(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConfig,
@@ -535,7 +539,7 @@ def _label_logits_of(x: jax.Array, w: jax.Array, y: jax.Array, scale: jax.Array 
     """:func:`label_logits` of one chunk of tokens (``y`` and ``scale`` ``[n, 1]`` columns, ``scale``
     None: 1)."""
     hit = (y >= 0) & (y < cfg.v)
-    rows = jnp.take(w, jnp.where(hit, y, 0)[:, 0], axis=0)
+    ids = jnp.where(hit, y, 0)[:, 0]
     bf16 = common.mxu_dtype(cfg.precision) == jnp.bfloat16
 
     def operand(a: jax.Array) -> jax.Array:
@@ -543,7 +547,15 @@ def _label_logits_of(x: jax.Array, w: jax.Array, y: jax.Array, scale: jax.Array 
         a = a.astype(jnp.float32)
         return jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7) if bf16 else a
 
-    raw = jnp.sum(operand(x) * operand(rows), axis=1, keepdims=True)
+    # TPU's XLA may stage a small gather operand whole in scoped VMEM: a [V, H] head just short of its 32 MiB
+    # limit then did not compile (v6e, 1898 x 4328 bf16: 35.7 MiB with padding). Such heads are gathered from
+    # column slices of at most LABEL_COLUMNS_BYTES; larger ones (every model head) in one gather, as before.
+    staged = w.size * w.dtype.itemsize <= LABEL_STAGED_BYTES
+    column_bytes = w.shape[0] * w.dtype.itemsize
+    width = max(LANES, LABEL_COLUMNS_BYTES // column_bytes // LANES * LANES) if staged else w.shape[1]
+    products = [jnp.sum(operand(x[:, start:start + width]) * operand(jnp.take(w[:, start:start + width], ids, axis=0)),
+                        axis=1, keepdims=True) for start in range(0, w.shape[1], width)]
+    raw = functools.reduce(jnp.add, products)
     return jnp.where(hit, tile_stats.logits(raw, cfg, scale), 0.0)[:, 0]
 
 
