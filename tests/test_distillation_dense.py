@@ -108,13 +108,13 @@ def test_ignored_tokens_cost_no_chunk_on_xla(monkeypatch, reduction, passes):
     from ce_xla import pair
 
     chunks: list[int] = []
-    original = pair._chunk_logits
+    original = pair.pair_logits
 
     def counted(*args, **kwargs):
         jax.debug.callback(lambda: chunks.append(1))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pair, "_chunk_logits", counted)
+    monkeypatch.setattr(pair, "pair_logits", counted)
     x, labels, w = random_problem(27, (3, 22), 24, VOCAB, ignore_fraction=0.0)
     labels[:, :15] = -100
     teacher_x, teacher_w = teacher(28, (3, 22), 40, VOCAB)

@@ -9,8 +9,9 @@ imports one). What is here, by role:
   declares (:data:`CONTRACT_VERSION`), the placements it may be told (:data:`PLACEMENTS`),
   :func:`localize_cotangent` and :func:`inert_dead_rows`. :class:`BlockSizes`, :class:`TileReport`
   and :class:`PassTiles` for tile sizes; the pair statistics of version 5 (:mod:`ce_core.contract.pair`:
-  :class:`PairSpec`, :class:`PairStats` and the elementwise :func:`scaled_logits`, :func:`pair_stats_of`,
-  :func:`pair_delta`); :class:`UnsupportedError` to decline a call (a fallback chain then moves on).
+  :class:`PairSpec`, :class:`PairStats` and the elementwise :func:`scaled_logits`, :func:`pair_logits`,
+  :func:`pair_stats_of`, :func:`pair_delta`); :class:`UnsupportedError` to decline a call (a fallback chain
+  then moves on).
 - **Registration**: :func:`register_backend`, :func:`unregister_backend`, :func:`get_backend`
   (installed backends register through the ``ce_core.backends`` entry-point group instead).
 - **Inside ``shard_map``**: the varying-axes helpers a backend needs when it builds arrays of its own
@@ -49,6 +50,7 @@ from ce_core.contract.pair import (
     PairSpec,
     PairStats,
     pair_delta,
+    pair_logits,
     pair_stats_of,
     scaled_logits,
 )
@@ -121,6 +123,7 @@ __all__ = [
     "max_rel_error",
     "oracle",
     "pair_delta",
+    "pair_logits",
     "pair_stats_of",
     "quiet_libtpu_without_tpu",
     "random_problem",

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import Backend, RowStats, StatsSpec
-from ce_core.extend import PairSpec, PairStats, pair_delta, pair_stats_of, scaled_logits
+from ce_core.extend import PairSpec, PairStats, pair_delta, pair_logits, pair_stats_of
 
 
 def logits_of(x: jax.Array, w: jax.Array, spec: StatsSpec, row_scale: jax.Array | None = None) -> jax.Array:
@@ -64,14 +64,14 @@ class ReferenceBackend(Backend):
                        spec: PairSpec, *, row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None = None,
                        live: jax.Array | None = None) -> PairStats:
         del live  # every row computed: ce_core hands dead rows in as zeros, with g = 0
-        a, b, _ = _pair_logits(x, w, teacher_x, teacher_w, spec, row_scale)
+        a, b, _ = pair_logits(x, w, teacher_x, teacher_w, spec, row_scale)
         return pair_stats_of(a, b, spec, lse)
 
     def pair_row_stats_vjp(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
                            stats: PairStats, g: jax.Array, spec: PairSpec, *, row_scale: jax.Array,
                            live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         del live
-        a, b, slope = _pair_logits(x, w, teacher_x, teacher_w, spec, row_scale)
+        a, b, slope = pair_logits(x, w, teacher_x, teacher_w, spec, row_scale)
         delta = pair_delta(a, b, slope, row_scale, stats, g, spec)
         operand = delta.astype(jnp.promote_types(x.dtype, w.dtype))
         hv = spec.w_layout == "hv"
@@ -79,14 +79,6 @@ class ReferenceBackend(Backend):
         dw = jnp.dot(x.T, operand, precision=spec.precision, preferred_element_type=jnp.float32)
         return dx.astype(x.dtype), (dw if hv else dw.T).astype(w.dtype)
 
-
-def _pair_logits(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
-                 row_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Both heads' ``[N, V]`` float32 logits, and the student's ``cap'``."""
-    a, slope = scaled_logits(x, w, spec.w_layout, spec.logit_soft_cap, row_scale, spec.precision)
-    b, _ = scaled_logits(teacher_x, teacher_w, spec.teacher_w_layout, spec.teacher_logit_soft_cap, row_scale,
-                         spec.precision)
-    return a, b, slope
 
 
 def make_backend() -> ReferenceBackend:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ce_core.extend import PairSpec, PairStats, pair_delta, pair_stats_of, scaled_logits, vary_like
+from ce_core.extend import PairSpec, PairStats, pair_delta, pair_logits, pair_stats_of, vary_like
 from ce_xla import head
 from ce_xla.backward import owned_rows
 from ce_xla.loops import TokenRows, chunk_start, loop
@@ -33,13 +33,6 @@ def chunk_rows(n: int, vocab: int, tile_bytes: int = TILE_BYTES) -> int:
     return max(1, min(n, max(8, tile_bytes // (4 * vocab))))
 
 
-def _chunk_logits(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
-                  scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    a, slope = scaled_logits(x, w, spec.w_layout, spec.logit_soft_cap, scale, spec.precision)
-    b, _ = scaled_logits(teacher_x, teacher_w, spec.teacher_w_layout, spec.teacher_logit_soft_cap, scale,
-                         spec.precision)
-    return a, b, slope
-
 
 def pair_row_stats(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
                    row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None, rows: int,
@@ -51,7 +44,7 @@ def pair_row_stats(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: 
     def chunk(i, stats: PairStats) -> PairStats:
         start, _ = chunk_start(i, rows, n)
         piece = lambda values: token_rows.take(values, start, rows)  # noqa: E731
-        a, b, _ = _chunk_logits(token_rows.take_rows(x, start, rows), w, token_rows.take_rows(teacher_x, start, rows),
+        a, b, _ = pair_logits(token_rows.take_rows(x, start, rows), w, token_rows.take_rows(teacher_x, start, rows),
                                 teacher_w, spec, piece(row_scale))
         part = pair_stats_of(a, b, spec, None if lse is None else (piece(lse[0]), piece(lse[1])))
         return jax.tree.map(lambda full, p: token_rows.put(full, p, start), stats, part)
@@ -76,7 +69,7 @@ def pair_grads(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.
         start, first_new = chunk_start(i, rows, n)
         piece = lambda values: token_rows.take(values, start, rows)  # noqa: E731
         x_chunk, scale, g_chunk = token_rows.take_rows(x, start, rows), piece(row_scale), piece(g)
-        a, b, slope = _chunk_logits(x_chunk, w, token_rows.take_rows(teacher_x, start, rows), teacher_w, spec, scale)
+        a, b, slope = pair_logits(x_chunk, w, token_rows.take_rows(teacher_x, start, rows), teacher_w, spec, scale)
         part = pair_stats_of(a, b, spec) if stats is None else jax.tree.map(piece, stats)
         owned = owned_rows(start, first_new, rows)
         if owned is not None:  # rows an earlier chunk covered add nothing more to dw

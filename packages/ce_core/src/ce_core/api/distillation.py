@@ -18,7 +18,6 @@ token chunk by token chunk (``[chunk, k, H]`` of ``w`` at a time). No term of th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
@@ -137,7 +136,7 @@ def linear_distillation_loss(
                          "teacher_log_probs), not both")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    hard = _number("hard_label_weight", hard_label_weight)
+    hard = validation.check_number("hard_label_weight", hard_label_weight)
     if hard < 0:
         raise ValueError(f"hard_label_weight must be >= 0, got {hard_label_weight}")
     if hard and labels is None:
@@ -235,14 +234,13 @@ def _dense_loss(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax
     tokens = x.shape[:-1]
     if teacher_x.shape[:-1] != tokens:
         raise ValueError(f"teacher_x must be [..., Ht] over x's tokens {tokens}, got {teacher_x.shape}")
-    beta = _number("beta", beta)
+    beta = validation.check_number("beta", beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if divergence == "jsd" and beta in (0.0, 1.0):  # the ends are the KLs, as TRL and Liger take them
         divergence = "forward_kl" if beta == 0.0 else "reverse_kl"
-    for name, cap in (("logit_soft_cap", logit_soft_cap), ("teacher_logit_soft_cap", teacher_logit_soft_cap)):
-        if cap is not None and _number(name, cap) <= 0:
-            raise ValueError(f"{name} must be None or > 0, got {cap}")
+    validation.check_soft_cap(logit_soft_cap)
+    validation.check_soft_cap(teacher_logit_soft_cap, name="teacher_logit_soft_cap")
     spec = PairSpec(divergence, beta if divergence == "jsd" else 0.5,
                     None if logit_soft_cap is None else float(logit_soft_cap),
                     None if teacher_logit_soft_cap is None else float(teacher_logit_soft_cap),
@@ -324,12 +322,6 @@ def _teacher_mass_and_hard_label(label: jax.Array, lse: jax.Array, coefficients:
     """One token's ``Q lse + hard (lse - label)`` (each weighted), from the label logit and the lse."""
     mass, hard = coefficients
     return mass * lse + hard * (lse - label)
-
-
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 def _first_entries(w: jax.Array, vocab_size: int | None, vocab_axis: int) -> jax.Array:

@@ -119,9 +119,9 @@ def check_options(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_ignore_index(ignore_index)
-    if _check_number("logsumexp_weight", logsumexp_weight) < 0:
+    if check_number("logsumexp_weight", logsumexp_weight) < 0:
         raise ValueError(f"logsumexp_weight must be >= 0, got {logsumexp_weight}")
-    if not 0 <= _check_number("label_smoothing", label_smoothing) < 1:
+    if not 0 <= check_number("label_smoothing", label_smoothing) < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     check_soft_cap(logit_soft_cap)
 
@@ -140,9 +140,10 @@ def check_ignore_index(ignore_index: object) -> None:
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
 
 
-def check_soft_cap(logit_soft_cap: object) -> None:
-    if logit_soft_cap is not None and _check_number("logit_soft_cap", logit_soft_cap) <= 0:
-        raise ValueError(f"logit_soft_cap must be None or > 0, got {logit_soft_cap}")
+def check_soft_cap(logit_soft_cap: object, name: str = "logit_soft_cap") -> None:
+    """A soft cap is None or a finite Python number above 0 (``name``: the argument it came in)."""
+    if logit_soft_cap is not None and check_number(name, logit_soft_cap) <= 0:
+        raise ValueError(f"{name} must be None or > 0, got {logit_soft_cap}")
 
 
 def check_temperature(temperature: object) -> None:
@@ -150,7 +151,7 @@ def check_temperature(temperature: object) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
         raise ValueError(f"temperature must be a number > 0 or an array of them (broadcastable to labels), "
                          f"got {temperature!r}")
-    if _check_number("temperature", temperature) <= 0:
+    if check_number("temperature", temperature) <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
@@ -213,7 +214,7 @@ def check_precision(precision: object) -> str | None:
     )
 
 
-def _check_number(name: str, value: object) -> float:
+def check_number(name: str, value: object) -> float:
     """``value`` as a float, when it is a finite Python (or NumPy) number; else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name} must be a Python number (static, not traced), got {value!r}")

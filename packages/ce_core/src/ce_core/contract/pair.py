@@ -86,6 +86,16 @@ def scaled_logits(x: jax.Array, w: jax.Array, layout: str, soft_cap: float | Non
     return row_scale[:, None] * raw, slope
 
 
+
+def pair_logits(x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array, spec: PairSpec,
+                row_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Both heads' float32 ``[rows, V]`` logits through :func:`scaled_logits`, and the student's ``cap'``."""
+    a, slope = scaled_logits(x, w, spec.w_layout, spec.logit_soft_cap, row_scale, spec.precision)
+    b, _ = scaled_logits(teacher_x, teacher_w, spec.teacher_w_layout, spec.teacher_logit_soft_cap, row_scale,
+                         spec.precision)
+    return a, b, slope
+
+
 def pair_stats_of(a: jax.Array, b: jax.Array, spec: PairSpec,
                   lse: tuple[jax.Array, jax.Array] | None = None) -> PairStats:
     """The statistics of student logits ``a`` and teacher logits ``b`` (``[rows, c]``), over these columns or, with
