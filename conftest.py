@@ -84,7 +84,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     the test takes it) instead of their full product: every pair of values meets once, and each group
     in ``require`` runs its full product. With ``backends="turns"`` the backends are not a factor but
     take turns over the rows (each backend runs, and each row runs once), for tests whose other factors
-    already meet every backend elsewhere and cost seconds a row (eager calls on a mesh).
+    already meet every backend elsewhere and cost seconds a row (eager calls on a mesh). With ``fast=K``
+    the first ``K`` rows (those that meet the most pairs) run in the fast tier and the rest in the slow
+    one: the whole array still runs in CI, a newcomer's ``uv run pytest`` runs its head.
     """
     covering = metafunc.definition.get_closest_marker("covering")
     if "backend_name" not in metafunc.fixturenames and covering is None:
@@ -95,6 +97,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     options = dict(covering.kwargs)
     require, turns = options.pop("require", ()), options.pop("backends", "pairs") == "turns"
+    fast = options.pop("fast", None)
     factors: dict[str, Sequence[object]] = dict(options)
     if backends is not None and not turns:
         factors = {"backend_name": backends, **factors}
@@ -102,8 +105,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if backends is not None and turns:
         rows = [{"backend_name": backends[k % len(backends)], **rows[k % len(rows)]}
                 for k in range(max(len(rows), len(backends)))]
-    metafunc.parametrize(list(rows[0]), [tuple(row.values()) for row in rows],
-                         ids=["-".join(f"{value}" for value in row.values()) for row in rows])
+    params = [pytest.param(*row.values(), id="-".join(f"{value}" for value in row.values()),
+                           marks=() if fast is None or k < fast else (pytest.mark.slow,))
+              for k, row in enumerate(rows)]
+    metafunc.parametrize(list(rows[0]), params)
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ce_xla import target
 
 
@@ -9,6 +11,7 @@ def _cells(rows: list[str]) -> list[list[str]]:
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
 
 
+@pytest.mark.slow  # 15 s: every variant compiled; the forward mode below keeps the script in the fast tier
 def test_every_variant_is_timed_with_its_own_plan_and_the_budgets_are_restored(load_benchmark_script):
     script = load_benchmark_script("gpu_xla_tiles.py")
     # The table compares today's budgets.

@@ -302,7 +302,8 @@ def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
     assert not interpret_pallas_call.races.races_found
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=() if mode in ("explicit", "auto_set_mesh") else
+                                                pytest.mark.slow) for mode in MODES])
 def test_pallas_tpu_per_example_gradients_under_vmap_in_a_sharded_step(monkeypatch, mode):
     """Pallas cannot batch the kernels; ce_core runs the mapped examples one by one, on every shard."""
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")

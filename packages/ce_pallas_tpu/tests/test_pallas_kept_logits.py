@@ -62,6 +62,7 @@ def _oracle(x, labels, w, layout: str, options: dict, weights, temperature):
     temperature=("none", "scalar", "per_token"),
     dtype=("float32", "bfloat16"),
     chunk=(16, 24, 4096),
+    fast=4,
 )
 def test_kept_logits_matches_the_oracle(interpret, monkeypatch, target, layout, reduction, extras, temperature, dtype,
                                         chunk):
@@ -122,6 +123,7 @@ def test_the_kept_backwards_default_tiles_match_the_oracle(interpret, monkeypatc
     assert races is not None and not races.races_found
 
 
+@pytest.mark.slow  # 8 s in the race-checked interpreter; the fast tier runs the kept path in the covering rows
 def test_argmax_comes_out_of_the_kept_logits_path(interpret, monkeypatch):
     interpret("v5p")
     monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 16)
@@ -139,6 +141,7 @@ def test_argmax_comes_out_of_the_kept_logits_path(interpret, monkeypatch):
     assert max_rel_error(grads[0], expected["dx"]) <= TOLERANCES["float32"][1]
 
 
+@pytest.mark.slow  # 7 s: both paths in the race-checked interpreter
 def test_bf16_gradients_are_as_accurate_as_the_recompute_path(interpret, monkeypatch):
     """Kept logits are the same float32 products the recompute path forms again, and ``dw`` is summed
     in float32 across chunks: the bf16 gradient errors match the recompute path's."""
