@@ -131,6 +131,8 @@ class Checks:
                 self.case(f"{backend} jit explicit w_layout=vh return_argmax", self.tied_argmax, backend)
         for backend, mode in zip(BACKENDS, ("explicit", "auto"), strict=True):
             self.case(f"{backend} linear_distillation_loss dense teacher jit {mode}", self.distillation, backend, mode)
+        self.case(f"{BACKENDS[-1]} linear_distillation_loss dense teacher reverse KL jit explicit", self.distillation,
+                  BACKENDS[-1], "explicit", "reverse_kl")
         self.case("bad label named by the process that holds it", self.bad_label)
 
     def case(self, name: str, fn, *args) -> None:
@@ -231,13 +233,15 @@ class Checks:
         want = np.where(self.labels != -100, np.argmax(z, -1), -1)
         assert (gathered(argmax) == want).all(), "vh argmax"
 
-    def distillation(self, backend: str, mode: str) -> None:
+    def distillation(self, backend: str, mode: str, divergence: str = "jsd") -> None:
         """A dense teacher laid out like the student: tokens over "data", both vocabularies over "model" (under
-        Explicit axes; Auto's default layout splits every token), the JSD's statistics combined across processes."""
+        Explicit axes; Auto's default layout splits every token), the statistics combined across processes (the
+        JSD's lses before its sums, a KL's by the chain rule)."""
         rng = np.random.default_rng(1)
         teacher_x = rng.standard_normal((*BATCH, 32)).astype(np.float32)
         teacher_w = (rng.standard_normal((32, V)) / np.sqrt(32)).astype(np.float32)
-        options: dict[str, Any] = dict(divergence="jsd", temperature=0.8, logit_soft_cap=3.0, hard_label_weight=0.2)
+        options: dict[str, Any] = dict(divergence=divergence, temperature=0.8, logit_soft_cap=3.0,
+                                       hard_label_weight=0.2)
         expected = distillation_oracle(self.x, self.w, teacher_x, teacher_w, self.labels, **options)
         mesh = self.meshes[mode]
 

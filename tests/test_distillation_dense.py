@@ -275,12 +275,55 @@ def test_bad_dense_calls_are_clear_errors():
         linear_distillation_loss(x, w, teacher_x, teacher_w, labels, temperature=0.0)
 
 
-@pytest.mark.covering(axis_type=("explicit", "auto"), divergence=("forward_kl", "jsd"), reduction=("mean", "none"),
-                      pair_backend=("reference", "xla"))
+@pytest.mark.covering(axis_type=("explicit", "auto"), divergence=("forward_kl", "reverse_kl", "jsd"),
+                      reduction=("mean", "none"), pair_backend=("reference", "xla"))
 def test_over_a_mesh_splitting_tokens_and_vocab_matches_the_oracle(axis_type, divergence, reduction, pair_backend):
     """Tokens over "data"; both heads' vocabularies over "model" (the teacher's a tied ``[V, Ht]`` table) under
     Explicit axes, every token split and the heads whole under Auto axes (the default layout)."""
     check_on_a_mesh(axis_type, "jit", divergence, reduction, pair_backend)
+
+
+@pytest.mark.parametrize(("divergence", "expected"), [
+    ("reverse_kl", ["pair_row_stats", "pair_row_stats_vjp"]),
+    ("jsd", ["pair_row_stats", "pair_row_stats", "pair_row_stats_vjp"]),
+])
+def test_a_vocab_split_takes_two_passes_for_a_kl_and_three_for_the_jsd(monkeypatch, divergence, expected):
+    """Vocab shards: a KL is combined from each shard's own statistics (the chain rule), so a scalar loss runs
+    the statistics and the gradient; the JSD's mixture needs the combined lses first, a pass more. Values and
+    gradients the oracle's, with KLs small beside the lses (a near copy of the student for teacher). The passes
+    are counted as they run (a callback per call on each of the 4 devices), not as they are traced."""
+    backend = ce_core.get_backend("xla")
+    calls: list[str] = []
+    for method in ("pair_row_stats", "pair_row_stats_vjp", "pair_row_stats_and_grads"):
+        original = getattr(backend, method)
+
+        def recorded(*args, _original=original, _method=method, **kwargs):
+            jax.debug.callback(lambda: calls.append(_method))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(backend, method, recorded)
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu")[:4])
+    x, labels, w = random_problem(25, (12,), 24, 130, ignore_fraction=0.2)
+    noise = np.random.default_rng(26).standard_normal(w.shape).astype(np.float32)
+    teacher_w = w + 0.05 * noise  # a KL of order 1e-3 per token, lses of order 5
+    expected_values = distillation_oracle(x, w, x, teacher_w, labels, divergence=divergence, temperature=0.7)
+    with jax.set_mesh(mesh):
+        def put(value, *spec):
+            return jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.P(*spec)))
+
+        a, b, y = put(x, "data", None), put(w, None, "model"), put(labels, "data")
+        c, d = put(x, "data", None), put(teacher_w, None, "model")
+
+        def loss(a_, b_):
+            return linear_distillation_loss(a_, b_, c, d, y, divergence=divergence, temperature=0.7,
+                                            implementation="xla")
+
+        value, (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(a, b)
+    jax.effects_barrier()
+    assert sorted(calls) == sorted(expected * 4), calls
+    assert max_rel_error(value, expected_values["loss"]) <= 1e-5
+    assert max_rel_error(dx, expected_values["dx"]) <= 1e-4 and max_rel_error(dw, expected_values["dw"]) <= 1e-4
 
 
 @pytest.mark.slow

@@ -11,9 +11,10 @@ pass over its head.
 computation (:class:`PairRun`'s methods) runs whole, or on each device inside ``jax.shard_map``. The teacher's
 hidden states are laid out like ``x`` (tokens split the same way) and its head like ``w`` (the same vocab
 shards, in its own layout). Token shards are independent (``dw`` summed over them). Vocab shards need the
-whole rows' lses before any sum: each shard's lses are combined, the divergence's sums taken over the shard's
-columns with them and added over the shards, and the gradient recomputed from those statistics (three passes
-over the shard's heads, where one device or token shards alone take one).
+whole rows' lses before any sum. A KL is combined from each shard's own statistics by the chain rule
+(:func:`_combined_kl`): a pass for the statistics and one for the gradient. The JSD's mixture needs the whole
+rows' lses inside its logarithm: each shard's lses are combined, the sums taken over the shard's columns with
+them and added over the shards, then the gradient (three passes). One device or token shards alone take one.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ class PairRun:
         if not axes.vocab:
             return local
         lse = (_combined_lse(local.lse, axes.vocab), _combined_lse(local.teacher_lse, axes.vocab))
+        if self.spec.divergence != "jsd":
+            return PairStats(*lse, _combined_kl(local, lse, axes.vocab, self.spec.divergence))
         part = self.backend.pair_row_stats(xf, w_, txf, tw_, self.spec, row_scale=sf, lse=lse, live=live)
         summed = None if part.student_term is None else jax.lax.psum(part.student_term, axes.vocab)
         return PairStats(*lse, jax.lax.psum(part.divergence, axes.vocab), summed)
@@ -151,6 +154,17 @@ def _live_mask(live: jax.Array) -> jax.Array:
 def _combined_lse(lse: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     peak = jax.lax.pmax(lse, axes)
     return peak + jnp.log(jax.lax.psum(jnp.exp(lse - peak), axes))
+
+
+def _combined_kl(local: PairStats, lse: tuple[jax.Array, jax.Array], axes: tuple[str, ...],
+                 divergence: str) -> jax.Array:
+    """The whole rows' KL from each vocab shard's own (over its columns, with its own lses), by the chain rule:
+    ``KL(u || v) = sum_s U_s (KL(u_s || v_s) + log U_s - log V_s)``, ``U_s``, ``V_s`` the shard's share of each
+    distribution's mass (``u`` the teacher's for the forward KL, the student's for the reverse). Every term is
+    taken as it stands (no difference of lses), so a small KL keeps its precision."""
+    log_share_p, log_share_q = local.lse - lse[0], local.teacher_lse - lse[1]
+    log_u, log_v = (log_share_q, log_share_p) if divergence == "forward_kl" else (log_share_p, log_share_q)
+    return jax.lax.psum(jnp.exp(log_u) * (local.divergence + (log_u - log_v)), axes)
 
 
 def per_token_divergence(run: PairRun, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
