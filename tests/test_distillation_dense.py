@@ -1,7 +1,8 @@
 """linear_distillation_loss with a dense teacher (both heads streamed, contract version 5) against the float64 oracle.
 
 The backends that compute pair statistics: ``reference`` (both heads materialised), ``xla`` (token chunks of
-whole rows; ``xla_chunked`` is the same backend with a tile budget of 8 rows, so ragged chunks overlap).
+whole rows; ``xla_chunked`` is the same backend with a tile budget of 8 rows, so ragged chunks overlap), and
+``pallas_tpu``'s pair kernels in the race-checked interpreter (the ``interpreter`` tier, at the end).
 """
 
 from __future__ import annotations
@@ -334,9 +335,11 @@ def test_eager_calls_over_a_mesh_match_the_oracle(axis_type):
     check_on_a_mesh(axis_type, "eager", "jsd", "none", "xla")
 
 
-def check_on_a_mesh(axis_type: str, call: str, divergence: str, reduction: str, pair_backend: str) -> None:
+def check_on_a_mesh(axis_type: str, call: str, divergence: str, reduction: str, pair_backend: str,
+                    vocab_shards: int = 4) -> None:
     kind = jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind), devices=jax.devices("cpu")[:8])
+    mesh = jax.make_mesh((2, vocab_shards), ("data", "model"), axis_types=(kind, kind),
+                         devices=jax.devices("cpu")[:2 * vocab_shards])
     x, labels, w = random_problem(21, (4, 6), 32, 320, ignore_fraction=0.2)
     teacher_x, teacher_w = teacher(22, (4, 6), 48, 320)
     options: dict[str, Any] = dict(divergence=divergence, temperature=0.8, hard_label_weight=0.2, logit_soft_cap=3.0,
@@ -381,3 +384,106 @@ def test_inside_the_callers_shard_map_each_token_shard_is_its_own_problem():
         got = per_token(*(jax.device_put(value, tokens if value.shape[0] == 8 else jax.sharding.NamedSharding(
             mesh, jax.P())) for value in (x, w, teacher_x, teacher_w, labels)))
     assert max_rel_error(got, expected["loss"]) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_tpu's pair kernels (ce_pallas_tpu.pair) in the race-checked TPU interpreter, tiles small enough that a call
+# takes several token blocks, gradient chunks (the last one overlapping) and vocab blocks.
+
+
+@pytest.fixture
+def pallas_interpreter(monkeypatch):
+    """pallas_tpu's kernels interpreted for a target set by the returned function, with tiny tiles."""
+    from ce_pallas_tpu import pair
+
+    monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
+    monkeypatch.setattr(pair, "BLOCKS", (16, 32, 128))
+    jax.clear_caches()
+    yield lambda target: monkeypatch.setenv("CE_PALLAS_TPU_TARGET", target)
+    from jax.experimental.pallas import tpu as pltpu
+
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+@pytest.mark.interpreter
+@pytest.mark.covering(target=("v5e", "v5p"), divergence=("forward_kl", "reverse_kl", "jsd"),
+                      reduction=("mean", "none"), temperature=("number", "per_token"),
+                      caps=("none", "student", "both"), layouts=("hv/hv", "vh/hv", "hv/vh"),
+                      dtype=("float32", "bfloat16"), require=[("target", "divergence")])
+def test_pallas_tpu_pair_kernels_match_the_float64_oracle(pallas_interpreter, target, divergence, reduction,
+                                                          temperature, caps, layouts, dtype):
+    """Ragged tokens (3 x 15: two gradient chunks, the second overlapping) and vocabulary (500: 4 blocks, split
+    over v5p's two cores), hidden sizes no multiple of 128, ignored tokens, weights, hard labels."""
+    pallas_interpreter(target)
+    x, labels, w = random_problem(31, (3, 15), 40, 500, ignore_fraction=0.25)
+    teacher_x, teacher_w = teacher(32, (3, 15), 72, 500)
+    temp: Any = 0.8 if temperature == "number" else np.linspace(0.6, 1.4, 45, dtype=np.float32).reshape(3, 15)
+    student_layout, teacher_layout = layouts.split("/")
+    check(x, w, teacher_x, teacher_w, labels, dtype=dtype, w_layout=student_layout, teacher_w_layout=teacher_layout,
+          divergence=divergence, beta=0.3, reduction=reduction, temperature=temp,
+          logit_soft_cap=None if caps == "none" else 2.5, teacher_logit_soft_cap=3.0 if caps == "both" else None,
+          hard_label_weight=0.2, weights=np.linspace(0.5, 1.5, 45, dtype=np.float32).reshape(3, 15),
+          implementation="pallas_tpu")
+
+
+@pytest.mark.interpreter
+def test_pallas_tpu_pair_statistics_of_a_vocab_shard_given_the_whole_rows_lses(pallas_interpreter):
+    """The shard's part of each sum (``lse`` given): the two halves of a vocabulary add up to the whole rows' sums,
+    as the reference backend computes them; without ``lse`` a KL comes in one pass and the JSD in two."""
+    from ce_core.extend import PairSpec
+
+    pallas_interpreter("v5e")
+    pallas, reference = ce_core.get_backend("pallas_tpu"), ce_core.get_backend("reference")
+    x, _, w = (jnp.asarray(value) for value in random_problem(33, (40,), 40, 300))
+    teacher_x, teacher_w = (jnp.asarray(value) for value in teacher(34, (40,), 72, 300))
+    scale = jnp.asarray(np.linspace(0.7, 1.3, 40, dtype=np.float32))
+    for divergence in ("reverse_kl", "jsd"):  # one KL in one pass (the other: the oracle tests), and the JSD
+        spec = PairSpec(divergence=divergence, beta=0.3, logit_soft_cap=4.0)
+        whole = reference.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale=scale)
+        got = pallas.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale=scale)
+        assert max_rel_error(got.lse, whole.lse) <= 1e-6 and max_rel_error(got.teacher_lse, whole.teacher_lse) <= 1e-6
+        assert max_rel_error(got.divergence, whole.divergence) <= 1e-5
+        lse = (whole.lse, whole.teacher_lse)
+        halves = [pallas.pair_row_stats(x, w[:, cut], teacher_x, teacher_w[:, cut], spec, row_scale=scale, lse=lse)
+                  for cut in (slice(0, 170), slice(170, 300))]
+        assert max_rel_error(halves[0].divergence + halves[1].divergence, whole.divergence) <= 1e-5
+        if divergence == "jsd":
+            assert whole.student_term is not None and got.student_term is not None
+            assert max_rel_error(got.student_term, whole.student_term) <= 1e-5
+            summed = halves[0].student_term + halves[1].student_term  # type: ignore[operator]
+            assert max_rel_error(summed, whole.student_term) <= 1e-5
+
+
+@pytest.mark.interpreter
+def test_pallas_tpu_ignored_tokens_count_for_nothing_even_with_nan_hidden_states(pallas_interpreter):
+    """NaN rows of either head at ignored tokens, in a token block with counted ones, leave the divergence and its
+    gradients exact: the pair kernels zero dead rows, never multiply them by a zero cotangent. (Without
+    ``hard_label_weight``: pallas_tpu's cross-entropy kernels need such rows finite, README "Ignored tokens".)"""
+    pallas_interpreter("v5p")
+    x, labels, w = random_problem(35, (2, 20), 40, 256)
+    teacher_x, teacher_w = teacher(36, (2, 20), 72, 256)
+    labels[0, :3] = -100
+    poisoned, poisoned_teacher = x.copy(), teacher_x.copy()
+    poisoned[0, 0] = np.nan
+    poisoned_teacher[0, 1] = np.nan
+
+    def loss(a, b):
+        return linear_distillation_loss(a, b, poisoned_teacher, teacher_w, labels, divergence="jsd",
+                                        implementation="pallas_tpu")
+
+    value, (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(poisoned, w)
+    expected = distillation_oracle(x, w, teacher_x, teacher_w, labels, divergence="jsd")
+    assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()
+    assert max_rel_error(value, expected["loss"]) <= 1e-5 and max_rel_error(dw, expected["dw"]) <= 1e-4
+    assert not np.asarray(dx)[0, :3].any()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("axis_type", "divergence"), [("explicit", "jsd"), ("auto", "forward_kl")])
+def test_pallas_tpu_over_a_mesh_splitting_tokens_and_vocab_matches_the_oracle(pallas_interpreter, axis_type,
+                                                                              divergence):
+    """Both heads' vocabularies split over "model" (a KL combined from each shard's own statistics, the JSD's
+    second pass given the combined lses) under Explicit axes; the default layout under Auto axes. On a 2 x 2
+    mesh: the interpreter runs each device's kernels in turn."""
+    pallas_interpreter("v5e")
+    check_on_a_mesh(axis_type, "jit", divergence, "mean", "pallas_tpu", vocab_shards=2)

@@ -1,11 +1,11 @@
 """HBM temporaries of the distillation loss beside the plain loss, compiled, no TPU needed.
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 uv run python tools/distillation_memory.py [--tokens 16384] [--hidden 1024]
-        [--vocab 151936] [--k 64] [--teacher-hidden HT] [--targets cpu,v5e,v5p,v6e]
+        [--vocab 151936] [--k 64] [--teacher-hidden HT] [--targets cpu,v5e,v5p,v6e] [--tpu-backend xla]
 
 With ``--teacher-hidden`` the teacher is dense (``teacher_x [N, HT]``, ``teacher_w [HT, V]``, bf16, the forward
-KL) and both losses run on the ``xla`` backend on every target (pallas_tpu has no pair kernels yet); without
-it, a top-``k`` teacher.
+KL); without it, a top-``k`` teacher. ``--tpu-backend`` (default ``pallas_tpu``) is the backend both losses
+run on for a TPU target.
 
 ``value_and_grad`` (w.r.t. ``x`` and ``w``, bf16) of ``linear_distillation_loss`` with a top-``k`` teacher and of
 ``linear_cross_entropy`` on the same student head, each compiled for every target (``cpu``: the ``xla``
@@ -23,15 +23,15 @@ import sys
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-def compile_temp_bytes(target: str, n: int, h: int, v: int, k: int, teacher_hidden: int | None = None
-                       ) -> dict[str, int]:
+def compile_temp_bytes(target: str, n: int, h: int, v: int, k: int, teacher_hidden: int | None = None,
+                       tpu_backend: str = "pallas_tpu") -> dict[str, int]:
     import jax
     import jax.numpy as jnp
 
     from ce_core import linear_cross_entropy, linear_distillation_loss
     from ce_core.testing import compile_program
 
-    implementation = "xla" if target == "cpu" or teacher_hidden else "pallas_tpu"
+    implementation = "xla" if target == "cpu" else tpu_backend
 
     def distill(x, w, labels, first, second):
         if teacher_hidden:  # a dense teacher: its hidden states and head
@@ -75,15 +75,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--teacher-hidden", type=int, default=None, help="a dense teacher of this width")
     parser.add_argument("--targets", default="cpu,v5e,v5p,v6e")
+    parser.add_argument("--tpu-backend", default="pallas_tpu", choices=("pallas_tpu", "xla"))
     args = parser.parse_args(argv)
     n, h, v, k = args.tokens, args.hidden, args.vocab, args.k
     logits = 2 * 4 * n * v
-    teacher = f"dense teacher Ht={args.teacher_hidden} (xla)" if args.teacher_hidden else f"k={k}"
+    teacher = f"dense teacher Ht={args.teacher_hidden}" if args.teacher_hidden else f"k={k}"
+    teacher += f"; TPU targets on {args.tpu_backend}, cpu on xla"
     print(f"N={n}, H={h}, V={v}, {teacher}, bf16; two float32 [N, V] logit tensors: {logits / 1e6:,.0f} MB\n")
     print("| target | plain loss MB | distillation MB | added MB | distillation / two f32 logits |")
     print("|---|---:|---:|---:|---:|")
     for target in args.targets.split(","):
-        got = compile_temp_bytes(target, n, h, v, k, args.teacher_hidden)
+        got = compile_temp_bytes(target, n, h, v, k, args.teacher_hidden, args.tpu_backend)
         print(f"| {target} | {got['plain'] / 1e6:,.1f} | {got['distill'] / 1e6:,.1f} "
               f"| {(got['distill'] - got['plain']) / 1e6:,.1f} | {got['distill'] / logits:.3f} |", flush=True)
     return 0

@@ -15,8 +15,9 @@ from ce_core.extend import random_problem
 def test_registered_with_the_contract_it_speaks():
     assert "pallas_tpu" in ce_core.installed_backends()
     backend = ce_core.get_backend("pallas_tpu")
-    # Version 4: handed the live rows, its kernels skip token blocks with none (issue 43).
-    assert backend.name == "pallas_tpu" and backend.contract_version == 4
+    # Version 4: handed the live rows, its kernels skip token blocks with none (issue 43); version 5: the pair
+    # statistics of a dense distillation teacher (ce_pallas_tpu.pair).
+    assert backend.name == "pallas_tpu" and backend.contract_version == 5
     assert backend.contract_version in ce_core.SUPPORTED_CONTRACT_VERSIONS and backend.takes_live_rows
 
 

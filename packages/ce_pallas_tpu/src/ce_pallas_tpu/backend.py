@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from ce_core import Backend, CotangentFn, Problem, RowStats, StatsSpec, TileReport, UnsupportedError
-from ce_pallas_tpu import kept_logits, ops, target
+from ce_core.extend import PairSpec, PairStats
+from ce_pallas_tpu import kept_logits, ops, pair, target
 from ce_pallas_tpu.common import PLAIN_INTERPRETER_UNDER_SHARD_MAP
 
 #: Input dtypes the kernels take (the MXU has no float16 path on v4/v5).
@@ -26,7 +27,7 @@ class PallasTpuBackend(Backend):
     """
 
     name = "pallas_tpu"
-    contract_version = 4
+    contract_version = 5
     #: First on TPU.
     default_priority = MappingProxyType({"tpu": 20})
     #: Pallas cannot batch the kernels; under ``vmap`` ce_core folds the batch into the tokens instead.
@@ -123,6 +124,18 @@ class PallasTpuBackend(Backend):
                                                    row_scale=row_scale, live=live, plan=plan)
         return super().row_stats_and_grads(x, w, labels, spec, cotangent_fn, token_params, row_scale=row_scale,
                                            live=live)
+
+    # Pairs of heads (contract version 5): both heads' tiles in one grid step (:mod:`ce_pallas_tpu.pair`); the
+    # gradient recomputes both (``2N(Hs + Ht)V + 4N Hs V`` after the statistics' ``2N(Hs + Ht)V``).
+    def pair_row_stats(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                       spec: PairSpec, *, row_scale: jax.Array, lse: tuple[jax.Array, jax.Array] | None = None,
+                       live: jax.Array | None = None) -> PairStats:
+        return pair.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale=row_scale, lse=lse, live=live)
+
+    def pair_row_stats_vjp(self, x: jax.Array, w: jax.Array, teacher_x: jax.Array, teacher_w: jax.Array,
+                           stats: PairStats, g: jax.Array, spec: PairSpec, *, row_scale: jax.Array,
+                           live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        return pair.pair_grads(x, w, teacher_x, teacher_w, stats, g, spec, row_scale=row_scale, live=live)
 
 
 def make_backend() -> PallasTpuBackend:

@@ -1,0 +1,50 @@
+"""The pair kernels (a dense distillation teacher) compiled for real TPUs at issue 42's memory goal shape.
+
+16384 tokens, a Qwen3-0.6B-like student head (H 1024) and a Qwen3-8B-like teacher (H 4096), V 151936, bf16:
+``value_and_grad`` of the distillation loss compiles through libtpu's deviceless topologies, runs the pair
+kernels, holds no ``[N, V]`` buffer, and its temporaries stay within 5% of the two float32 logit tensors that
+materialising both heads would hold. The JSD on v5p (two cores; the statistics' lses-only and lses-given
+passes), a KL on v5e and v6e (its one-pass statistics); no hard-label term (its cross-entropy adds that loss's own
+temporaries, README "Distillation").
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ce_core import linear_distillation_loss
+from ce_core.extend import compile_program
+from ce_pallas_tpu.tooling import aot
+
+#: The slow tier: real TPU compiles (uv run pytest -m slow).
+pytestmark = pytest.mark.slow
+
+N, STUDENT_H, TEACHER_H, V = 16384, 1024, 4096, 151936
+#: Issue 42's bound: 5% of two float32 [N, V] logit tensors (996 MB here).
+BOUND_BYTES = 0.05 * 2 * 4 * N * V
+
+
+@pytest.mark.parametrize(("generation", "divergence"), [("v5e", "reverse_kl"), ("v5p", "jsd"),
+                                                        ("v6e", "forward_kl")])
+def test_the_goal_shape_compiles_with_the_pair_kernels_within_five_percent_of_the_logits(generation, divergence):
+    def loss(x, w, teacher_x, teacher_w, labels):
+        return linear_distillation_loss(x, w, teacher_x, teacher_w, labels, divergence=divergence,
+                                        implementation="pallas_tpu")
+
+    def compile_fn():
+        with aot.compiling_for(generation) as device:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            shapes = (((N, STUDENT_H), jnp.bfloat16), ((STUDENT_H, V), jnp.bfloat16), ((N, TEACHER_H), jnp.bfloat16),
+                      ((TEACHER_H, V), jnp.bfloat16), ((N,), jnp.int32))
+            args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+
+    compiled, result = compile_program(compile_fn)
+    text = compiled.as_text()
+    assert "ce_pallas_tpu_pair_grad" in text and "ce_pallas_tpu_pair_stats" in text
+    assert not re.search(rf"\[(?:{N},{V}|{V},{N})\]", text), "a [N, V] buffer in the compiled program"
+    assert result.temp_bytes is not None and result.temp_bytes <= BOUND_BYTES, (result.temp_bytes, BOUND_BYTES)
