@@ -455,11 +455,14 @@ def test_pallas_tpu_pair_statistics_of_a_vocab_shard_given_the_whole_rows_lses(p
 
 
 @pytest.mark.interpreter
-def test_pallas_tpu_ignored_tokens_count_for_nothing_even_with_nan_hidden_states(pallas_interpreter):
+def test_pallas_tpu_ignored_tokens_count_for_nothing_even_with_nan_hidden_states(pallas_interpreter, monkeypatch):
     """NaN rows of either head at ignored tokens, in a token block with counted ones, leave the divergence and its
     gradients exact: the pair kernels zero dead rows, never multiply them by a zero cotangent. (Without
     ``hard_label_weight``: pallas_tpu's cross-entropy kernels need such rows finite, README "Ignored tokens".)"""
+    from ce_pallas_tpu import pair
+
     pallas_interpreter("v5p")
+    monkeypatch.setattr(pair, "BLOCKS", None)  # the rule's tiles: 40 rows, two gradient chunks of 32 (overlapping)
     x, labels, w = random_problem(35, (2, 20), 40, 256)
     teacher_x, teacher_w = teacher(36, (2, 20), 72, 256)
     labels[0, :3] = -100

@@ -418,7 +418,7 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
     precision = common.resolve_precision(dtypes[0], dtypes[1], spec.precision)
     interpret = interpret_params(target)
     limit = None if target.interpret else tiling.vmem_limit(target)
-    rows_cap = round_up(n, ROW_ALIGN) if n > ROW_ALIGN else n
+    rows_cap = round_up(n, ROW_ALIGN) if n > ROW_ALIGN else n  # a statistics block may overhang N
     if BLOCKS is not None:
         stats_rows, chunk, block_v = BLOCKS
     else:
@@ -427,7 +427,10 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
         hsp, htp = round_up(hs, LANES), round_up(ht, LANES)
         while chunk > 128 and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
             chunk //= 2
-    stats_rows, chunk = min(stats_rows, rows_cap), min(chunk, rows_cap)
+    # A gradient chunk is a slice of exactly ``chunk`` rows (the last one moved back to end at ``N``): at most
+    # ``N``, and whole packed sublanes where ``N`` has that many.
+    stats_rows = min(stats_rows, rows_cap)
+    chunk = n if n <= ROW_ALIGN else min(chunk, n // ROW_ALIGN * ROW_ALIGN)
     block_v = min(block_v, round_up(v, LANES))
     nv = pl.cdiv(v, block_v)
     cores = target.num_cores if nv % target.num_cores == 0 else 1
