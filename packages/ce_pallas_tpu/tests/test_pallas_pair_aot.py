@@ -28,18 +28,22 @@ N, STUDENT_H, TEACHER_H, V = 16384, 1024, 4096, 151936
 BOUND_BYTES = 0.05 * 2 * 4 * N * V
 
 
-@pytest.mark.parametrize(("generation", "divergence"), [("v5e", "reverse_kl"), ("v5p", "jsd"),
-                                                        ("v6e", "forward_kl")])
-def test_the_goal_shape_compiles_with_the_pair_kernels_within_five_percent_of_the_logits(generation, divergence):
+@pytest.mark.parametrize(("generation", "divergence", "layout"), [("v5e", "reverse_kl", "hv"), ("v5p", "jsd", "hv"),
+                                                                  ("v6e", "forward_kl", "vh")])
+def test_the_goal_shape_compiles_with_the_pair_kernels_within_five_percent_of_the_logits(generation, divergence,
+                                                                                          layout):
+    """On v6e both heads are tied ``[V, H]`` tables (the vocab mask of the student's block built along its rows)."""
+
     def loss(x, w, teacher_x, teacher_w, labels):
-        return linear_distillation_loss(x, w, teacher_x, teacher_w, labels, divergence=divergence,
-                                        implementation="pallas_tpu")
+        return linear_distillation_loss(x, w, teacher_x, teacher_w, labels, divergence=divergence, w_layout=layout,
+                                        teacher_w_layout=layout, implementation="pallas_tpu")
 
     def compile_fn():
         with aot.compiling_for(generation) as device:
             sharding = jax.sharding.SingleDeviceSharding(device)
-            shapes = (((N, STUDENT_H), jnp.bfloat16), ((STUDENT_H, V), jnp.bfloat16), ((N, TEACHER_H), jnp.bfloat16),
-                      ((TEACHER_H, V), jnp.bfloat16), ((N,), jnp.int32))
+            heads = [(h, V) if layout == "hv" else (V, h) for h in (STUDENT_H, TEACHER_H)]
+            shapes = (((N, STUDENT_H), jnp.bfloat16), (heads[0], jnp.bfloat16), ((N, TEACHER_H), jnp.bfloat16),
+                      (heads[1], jnp.bfloat16), ((N,), jnp.int32))
             args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
 

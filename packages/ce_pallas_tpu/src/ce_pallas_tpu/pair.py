@@ -100,17 +100,18 @@ def _operand(ref, hidden: int, hp: int, rows_valid: jax.Array | None = None) -> 
     return value
 
 
-def _head_block(ref, hidden: int, hp: int, layout: str, cols_valid: jax.Array | None) -> jax.Array:
+def _head_block(ref, hidden: int, hp: int, layout: str, block=None, cfg: PairConfig | None = None) -> jax.Array:
     """A head's vocab block (``[Hp, c]``, or ``[c, Hp]`` for ``"vh"``) with the garbage past ``hidden`` zeroed, and
-    given ``cols_valid`` (``[1, c]``) its columns past ``V`` too."""
+    given the vocab ``block`` (and ``cfg``) its columns past ``V`` too (the mask built along the block's own vocab
+    axis: Mosaic reshapes no boolean vector)."""
     value = ref[...]
-    hidden_axis = 0 if layout == "hv" else 1
+    hidden_axis, vocab_axis = (0, 1) if layout == "hv" else (1, 0)
     if hidden != hp:
         rows = jax.lax.broadcasted_iota(jnp.int32, value.shape, hidden_axis)
         value = jnp.where(rows < hidden, value, jnp.zeros((), value.dtype))
-    if cols_valid is not None:
-        valid = cols_valid if layout == "hv" else cols_valid.reshape(-1, 1)
-        value = jnp.where(valid, value, jnp.zeros((), value.dtype))
+    if block is not None and cfg is not None:
+        cols = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, value.shape, vocab_axis)
+        value = jnp.where(cols < cfg.v, value, jnp.zeros((), value.dtype))
     return value
 
 
@@ -185,10 +186,10 @@ def _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, cfg: PairConfi
     rows = _rows_valid(i, cfg.block_b, cfg.n, live_ref[...])
     cols = _cols_valid(j, cfg)
     scale = scale_ref[...]
-    student = _head_block(w_ref, cfg.hs, cfg.hsp, spec.w_layout, None)
+    student = _head_block(w_ref, cfg.hs, cfg.hsp, spec.w_layout)
     a = _logits(_operand(x_ref, cfg.hs, cfg.hsp, rows), student, spec.w_layout, spec.logit_soft_cap, scale,
                 cfg.precision, cols)[0]
-    teacher = _head_block(v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout, None)
+    teacher = _head_block(v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout)
     b = _logits(_operand(u_ref, cfg.ht, cfg.htp, rows), teacher, spec.teacher_w_layout, spec.teacher_logit_soft_cap,
                 scale, cfg.precision, cols)[0]
     return a, b
@@ -323,10 +324,10 @@ def _grad_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, lse_a_ref, lse
     cols = _cols_valid(block, cfg)
     scale = scale_ref[...]
     x = _operand(x_ref, cfg.hs, cfg.hsp, rows)
-    w = _head_block(w_ref, cfg.hs, cfg.hsp, spec.w_layout, cols)
+    w = _head_block(w_ref, cfg.hs, cfg.hsp, spec.w_layout, block, cfg)
     a, slope = _logits(x, w, spec.w_layout, spec.logit_soft_cap, scale, cfg.precision, cols)
     b = _logits(_operand(u_ref, cfg.ht, cfg.htp, rows),
-                _head_block(v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout, None), spec.teacher_w_layout,
+                _head_block(v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout), spec.teacher_w_layout,
                 spec.teacher_logit_soft_cap, scale, cfg.precision, cols)[0]
     g = jnp.where(rows, g_ref[...], 0.0)
     delta = _delta(a, b, slope, scale, lse_a_ref[...], lse_b_ref[...], div_ref[...], student_ref[...], g, spec)
