@@ -397,7 +397,7 @@ def pallas_interpreter(monkeypatch):
     from ce_pallas_tpu import pair
 
     monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
-    monkeypatch.setattr(pair, "BLOCKS", (16, 32, 128))
+    monkeypatch.setattr(pair, "BLOCKS", (16, 32, 256))  # two 128-column slices a statistics step
     jax.clear_caches()
     yield lambda target: monkeypatch.setenv("CE_PALLAS_TPU_TARGET", target)
     from jax.experimental.pallas import tpu as pltpu
@@ -409,14 +409,16 @@ def pallas_interpreter(monkeypatch):
 @pytest.mark.covering(target=("v5e", "v5p"), divergence=("forward_kl", "reverse_kl", "jsd"),
                       reduction=("mean", "none"), temperature=("number", "per_token"),
                       caps=("none", "student", "both"), layouts=("hv/hv", "vh/hv", "hv/vh"),
-                      dtype=("float32", "bfloat16"), require=[("target", "divergence")])
+                      dtype=("float32", "bfloat16"), vocab=(500, 650), require=[("target", "divergence"),
+                                                                                ("target", "vocab")])
 def test_pallas_tpu_pair_kernels_match_the_float64_oracle(pallas_interpreter, target, divergence, reduction,
-                                                          temperature, caps, layouts, dtype):
-    """Ragged tokens (3 x 15: two gradient chunks, the second overlapping) and vocabulary (500: 4 blocks, split
-    over v5p's two cores), hidden sizes no multiple of 128, ignored tokens, weights, hard labels."""
+                                                          temperature, caps, layouts, dtype, vocab):
+    """Ragged tokens (3 x 15: two gradient chunks, the second overlapping) and vocabularies (500: 2 blocks, one per
+    v5p core; 650: 3 blocks, the second core a block short), hidden sizes no multiple of 128, ignored tokens,
+    weights, hard labels."""
     pallas_interpreter(target)
-    x, labels, w = random_problem(31, (3, 15), 40, 500, ignore_fraction=0.25)
-    teacher_x, teacher_w = teacher(32, (3, 15), 72, 500)
+    x, labels, w = random_problem(31, (3, 15), 40, vocab, ignore_fraction=0.25)
+    teacher_x, teacher_w = teacher(32, (3, 15), 72, vocab)
     temp: Any = 0.8 if temperature == "number" else np.linspace(0.6, 1.4, 45, dtype=np.float32).reshape(3, 15)
     student_layout, teacher_layout = layouts.split("/")
     check(x, w, teacher_x, teacher_w, labels, dtype=dtype, w_layout=student_layout, teacher_w_layout=teacher_layout,

@@ -52,3 +52,26 @@ def test_the_goal_shape_compiles_with_the_pair_kernels_within_five_percent_of_th
     assert "ce_pallas_tpu_pair_grad" in text and "ce_pallas_tpu_pair_stats" in text
     assert not re.search(rf"\[(?:{N},{V}|{V},{N})\]", text), "a [N, V] buffer in the compiled program"
     assert result.temp_bytes is not None and result.temp_bytes <= BOUND_BYTES, (result.temp_bytes, BOUND_BYTES)
+
+
+def test_the_widest_speed_shape_compiles_on_v6e_with_the_rules_tiles():
+    """Issue 42's widest speed shape (Gemma-2 9B teaching 2B: tied heads, H 3584 and 2304, V 256000, 4096 tokens)
+    with the JSD (all three statistics modes' kernels and the gradient's): v6e's 1,024-square statistics tiles
+    fit its VMEM beside both heads' blocks."""
+    n, hs, ht, v = 4096, 2304, 3584, 256000
+
+    def loss(x, w, teacher_x, teacher_w):
+        return linear_distillation_loss(x, w, teacher_x, teacher_w, divergence="jsd", w_layout="vh",
+                                        teacher_w_layout="vh", implementation="pallas_tpu")
+
+    def compile_fn():
+        with aot.compiling_for("v6e") as device:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            shapes = ((n, hs), (v, hs), (n, ht), (v, ht))
+            args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding) for shape in shapes]
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+
+    compiled, _ = compile_program(compile_fn)
+    text = compiled.as_text()
+    assert "ce_pallas_tpu_pair_stats_lses" in text and "ce_pallas_tpu_pair_stats_given" in text
+    assert "ce_pallas_tpu_pair_grad" in text

@@ -4,7 +4,9 @@ The student's ``a = s cap_s(x @ w)`` and the teacher's ``b = s cap_t(u @ v)`` ti
 teacher_w``, :mod:`ce_core.contract.pair`) are formed side by side in VMEM and never reach HBM. Two kernels:
 
 - **Statistics** (:func:`pair_stats_call`), grid ``(token blocks, vocab blocks)``, the vocab axis a reduction.
-  ``online``: each row keeps a running max and sum of exps per head (an online logsumexp) and, for a KL, the
+  Every running statistic is kept per lane (``[rows, 128]``: a tile's 128-column groups folded in elementwise),
+  so no step waits on a cross-lane reduction; the lanes are combined once, at the row's last block.
+  ``online``: each lane keeps a running max and sum of exps per head (an online logsumexp) and, for a KL, the
   divergence's running sum against the running max of the distribution that weighs it
   (``sum_j e^(b_j - m_b) (b_j - a_j)`` for the forward KL, ``sum_j e^(a_j - m_a) (a_j - b_j)`` for the reverse),
   rescaled with that max; at the row's last block ``KL(q||p) = sum_j q_j (b_j - a_j) - lse_b + lse_a`` (the
@@ -15,22 +17,29 @@ teacher_w``, :mod:`ce_core.contract.pair`) are formed side by side in VMEM and n
   vocab block, forms the student's ``delta`` from the whole rows' statistics, adds ``delta @ w.T`` into the
   core's float32 ``dx`` (resident over the core's blocks) and writes ``dw``'s block as the running float32 sum
   it read plus ``x.T @ delta`` (the sum's blocks aliased in and out: each is read and written once a call).
-  The wrapper walks the chunks (a ``fori_loop``) and sums the cores' ``dx``.
+  The wrapper walks the chunks (a ``fori_loop``) and sums the cores' ``dx``. With an odd number of vocab blocks on
+  a two-core chip the second core takes one block fewer (its last step repeats a block and does nothing).
 
 A KL's value and gradient take two passes over both heads (statistics, gradient: ``2N(Hs + Ht)V`` and then
 ``2N(Hs + Ht)V + 4N Hs V`` of products); the JSD three (its mixture needs the whole rows' lses first).
 
 Ragged edges: vocab columns past ``V`` are set to a large negative finite logit in both heads (their
 probabilities are 0 and every term of theirs is 0; ``-inf`` would make ``0 * (inf - inf)``), and ``w``'s garbage
-columns are zeroed before ``dx``'s product; rows past ``N`` and dead rows (``live`` false) have their hidden
-states zeroed, and a dead row's cotangent is 0. Hidden sizes need not be multiples of 128: the blocks span
-the round-up and the garbage past ``H`` is zeroed in both operands (:func:`ce_pallas_tpu.common.zero_hidden_tail`).
+columns are zeroed in place before ``dx``'s product. Rows past ``N`` and dead rows (``live`` false) are computed
+as they stand by the statistics kernel (a row's statistics are its own) and replaced by a zero hidden state's
+(each lse ``log V``, every divergence term 0) in the wrapper; the gradient kernel zeroes their hidden states in
+place once per chunk and gives them a zero cotangent, so their ``delta`` is exactly 0 without a select on it.
+Hidden sizes need not be multiples of 128: the blocks span the round-up and the garbage past ``H`` is zeroed in
+both operands, in place (:func:`ce_pallas_tpu.common.zero_hidden_tail`). Masks are written into the VMEM blocks,
+never applied as a select on a loaded bf16 operand or on ``delta``: libtpu's static profiler refuses a matmul fed
+by one (a type check on the packed bf16 values), and the profile is how the kernels' speed is measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -82,37 +91,32 @@ class PairConfig:
 
     @property
     def nv_per_core(self) -> int:
-        return self.nv // self.num_cores
+        return pl.cdiv(self.nv, self.num_cores)
 
 
 # ---------------------------------------------------------------------------------------------
 # Traced inside the kernels.
 
 
-def _operand(ref, hidden: int, hp: int, rows_valid: jax.Array | None = None) -> jax.Array:
-    """A token block ``[rows, Hp]`` with the garbage past ``hidden`` (and, given, the rows not valid) zeroed."""
-    value = ref[...]
-    if hidden != hp:
-        cols = jax.lax.broadcasted_iota(jnp.int32, value.shape, 1)
-        value = jnp.where(cols < hidden, value, jnp.zeros((), value.dtype))
-    if rows_valid is not None:
-        value = jnp.where(rows_valid, value, jnp.zeros((), value.dtype))
-    return value
+def _zero_tails(x_ref, w_ref, hidden: int, hp: int, layout: str = "hv") -> None:
+    """Zero the garbage past ``hidden`` in a token block and a head block in ``layout``, in place (either may be
+    None); a ``[V, H]`` head block has it in its last columns, as ``x``. In place, not as a select on the loaded
+    bf16 values: libtpu's profiler refuses a matmul fed by such a select."""
+    if hidden == hp:
+        return
+    if x_ref is not None:
+        common.zero_hidden_tail(x_ref, None, hidden, hp)
+    if w_ref is not None and layout == "hv":
+        common.zero_hidden_tail(None, w_ref, hidden, hp)
+    elif w_ref is not None:
+        common.zero_hidden_tail(w_ref, None, hidden, hp)
 
 
-def _head_block(ref, hidden: int, hp: int, layout: str, block=None, cfg: PairConfig | None = None) -> jax.Array:
-    """A head's vocab block (``[Hp, c]``, or ``[c, Hp]`` for ``"vh"``) with the garbage past ``hidden`` zeroed, and
-    given the vocab ``block`` (and ``cfg``) its columns past ``V`` too (the mask built along the block's own vocab
-    axis: Mosaic reshapes no boolean vector)."""
-    value = ref[...]
-    hidden_axis, vocab_axis = (0, 1) if layout == "hv" else (1, 0)
-    if hidden != hp:
-        rows = jax.lax.broadcasted_iota(jnp.int32, value.shape, hidden_axis)
-        value = jnp.where(rows < hidden, value, jnp.zeros((), value.dtype))
-    if block is not None and cfg is not None:
-        cols = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, value.shape, vocab_axis)
-        value = jnp.where(cols < cfg.v, value, jnp.zeros((), value.dtype))
-    return value
+def _zero_head_columns(w_ref, block, cfg: PairConfig) -> None:
+    """The student head block's vocab entries past ``V`` zeroed in place (along the block's own vocab axis)."""
+    vocab_axis = 1 if cfg.spec.w_layout == "hv" else 0
+    entries = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, vocab_axis)
+    w_ref[...] = jnp.where(entries < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
 
 
 def _logits(x: jax.Array, w: jax.Array, layout: str, cap: float | None, scale: jax.Array, precision: str,
@@ -129,14 +133,24 @@ def _cols_valid(block, cfg: PairConfig) -> jax.Array:
     return cols < cfg.v
 
 
-def _rows_valid(block, rows: int, n: int, live: jax.Array) -> jax.Array:
+def _rows_valid(rows: int, n: int, live: jax.Array) -> jax.Array:
     """Rows before ``n`` whose ``live`` (``[rows, 1]`` float32, 1 or 0) is set, as ``[rows, 1]`` bools."""
-    row_ids = block * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    return (row_ids < n) & (live > 0.5)
+    return (jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < n) & (live > 0.5)
 
 
-def _sum(terms: jax.Array) -> jax.Array:
-    return jnp.sum(terms, axis=1, keepdims=True)
+def _groups(tile: jax.Array) -> list[jax.Array]:
+    """A ``[rows, c]`` tile's 128-wide column groups (``[rows, 128]`` each): one column per lane."""
+    return [tile[:, g:g + LANES] for g in range(0, tile.shape[1], LANES)]
+
+
+def _lane_sum(tile: jax.Array) -> jax.Array:
+    """A tile's column groups added elementwise into ``[rows, 128]``: no cross-lane reduction (that waits for the
+    tile's last column; one at the row's end suffices)."""
+    return functools.reduce(jnp.add, _groups(tile))
+
+
+def _rows(lanes: jax.Array) -> jax.Array:
+    return jnp.sum(lanes, axis=1, keepdims=True)
 
 
 def _log_mixture(log_p: jax.Array, log_q: jax.Array, beta: float) -> jax.Array:
@@ -146,17 +160,17 @@ def _log_mixture(log_p: jax.Array, log_q: jax.Array, beta: float) -> jax.Array:
 
 def _given_terms(a: jax.Array, b: jax.Array, lse_a: jax.Array, lse_b: jax.Array,
                  spec: PairSpec) -> tuple[jax.Array, jax.Array]:
-    """This tile's part of the divergence's and the JSD's ``student_term`` sums (``[rows, 1]`` each), the lses
-    given: :func:`ce_core.extend.pair_stats_of`'s terms, per tile."""
+    """This tile's terms of the divergence's and the JSD's ``student_term`` sums, per lane (``[rows, 128]``
+    each), the lses given: :func:`ce_core.extend.pair_stats_of`'s terms, per tile."""
     log_p, log_q = a - lse_a, b - lse_b
     p, q = jnp.exp(log_p), jnp.exp(log_q)
     if spec.divergence == "forward_kl":
-        return _sum(q * (log_q - log_p)), jnp.zeros_like(lse_a)
+        return _lane_sum(q * (log_q - log_p)), jnp.zeros((a.shape[0], LANES), jnp.float32)
     if spec.divergence == "reverse_kl":
-        return _sum(p * (log_p - log_q)), jnp.zeros_like(lse_a)
+        return _lane_sum(p * (log_p - log_q)), jnp.zeros((a.shape[0], LANES), jnp.float32)
     log_m = _log_mixture(log_p, log_q, spec.beta)
-    student = _sum(p * (log_p - log_m))
-    return spec.beta * _sum(q * (log_q - log_m)) + (1.0 - spec.beta) * student, student
+    student = _lane_sum(p * (log_p - log_m))
+    return spec.beta * _lane_sum(q * (log_q - log_m)) + (1.0 - spec.beta) * student, student
 
 
 def _delta(a: jax.Array, b: jax.Array, slope: jax.Array | None, scale: jax.Array, lse_a: jax.Array,
@@ -179,26 +193,23 @@ def _delta(a: jax.Array, b: jax.Array, slope: jax.Array | None, scale: jax.Array
 # The statistics kernel.
 
 
-def _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, cfg: PairConfig) -> tuple[jax.Array, jax.Array]:
-    """Both heads' logit tiles of this grid step ``(token block, vocab block)``, dead rows zeroed first."""
+def _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg: PairConfig) -> tuple[jax.Array, jax.Array]:
+    """Both heads' logit tiles of this grid step ``(token block, vocab block)``. Rows past ``N`` and dead rows are
+    computed as they stand: each row's statistics are its own, and the wrapper replaces a dead row's."""
     spec = cfg.spec
-    i, j = pl.program_id(0), pl.program_id(1)
-    rows = _rows_valid(i, cfg.block_b, cfg.n, live_ref[...])
-    cols = _cols_valid(j, cfg)
+    cols = _cols_valid(pl.program_id(1), cfg)
     scale = scale_ref[...]
-    student = _head_block(w_ref, cfg.hs, cfg.hsp, spec.w_layout)
-    a = _logits(_operand(x_ref, cfg.hs, cfg.hsp, rows), student, spec.w_layout, spec.logit_soft_cap, scale,
-                cfg.precision, cols)[0]
-    teacher = _head_block(v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout)
-    b = _logits(_operand(u_ref, cfg.ht, cfg.htp, rows), teacher, spec.teacher_w_layout, spec.teacher_logit_soft_cap,
-                scale, cfg.precision, cols)[0]
+    _zero_tails(x_ref, w_ref, cfg.hs, cfg.hsp, spec.w_layout)
+    _zero_tails(u_ref, v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout)
+    a = _logits(x_ref[...], w_ref[...], spec.w_layout, spec.logit_soft_cap, scale, cfg.precision, cols)[0]
+    b = _logits(u_ref[...], v_ref[...], spec.teacher_w_layout, spec.teacher_logit_soft_cap, scale, cfg.precision,
+                cols)[0]
     return a, b
 
 
-def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, lse_a_ref, lse_b_ref, div_ref, student_ref,
+def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, div_ref, student_ref,
                   div_acc, student_acc, *, cfg: PairConfig):
-    """The sums' parts over this call's columns, the whole rows' lses given."""
-    a, b = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, cfg)
+    """The sums' parts over this call's columns, the whole rows' lses given (summed per lane, then per row)."""
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -206,20 +217,21 @@ def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, lse_a_ref, ls
         div_acc[...] = jnp.zeros_like(div_acc)
         student_acc[...] = jnp.zeros_like(student_acc)
 
-    div, student = _given_terms(a, b, lse_a_ref[...], lse_b_ref[...], cfg.spec)
+    lse_a, lse_b = lse_a_ref[...], lse_b_ref[...]
+    div, student = _given_terms(*_stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg), lse_a, lse_b, cfg.spec)
     div_acc[...] += div
     student_acc[...] += student
 
     @pl.when(j == cfg.nv - 1)
     def _():
-        div_ref[...] = div_acc[...]
-        student_ref[...] = student_acc[...]
+        div_ref[...] = _rows(div_acc[...])
+        student_ref[...] = _rows(student_acc[...])
 
 
-def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, lse_a_ref, lse_b_ref, div_ref, m_a, z_a, m_b,
+def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, div_ref, m_a, z_a, m_b,
                    z_b, s_acc, *, cfg: PairConfig, with_divergence: bool):
-    """Both lses by an online logsumexp and, ``with_divergence`` (a KL), its running sum."""
-    a, b = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, cfg)
+    """Both lses by an online logsumexp and, ``with_divergence`` (a KL), its running sum: each lane of a row keeps
+    its own running max and sums (``[rows, 128]``), the lanes combined at the row's last block."""
     j = pl.program_id(1)
     forward = cfg.spec.divergence == "forward_kl"
 
@@ -230,35 +242,48 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, lse_a_ref, l
         for ref in (z_a, z_b, s_acc):
             ref[...] = jnp.zeros_like(ref)
 
-    def update(m_ref, z_ref, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The online logsumexp's step; returns the exps against the new max and the old sums' rescale."""
-        new_max = jnp.maximum(m_ref[...], jnp.max(logits, axis=1, keepdims=True))
-        rescale = jnp.exp(m_ref[...] - new_max)
-        exps = jnp.exp(logits - new_max)
-        z_ref[...] = z_ref[...] * rescale + _sum(exps)
-        m_ref[...] = new_max
-        return exps, rescale
+    def update(m: jax.Array, z: jax.Array, groups: list[jax.Array]) -> tuple[jax.Array, jax.Array, list[jax.Array],
+                                                                           jax.Array]:
+        """One lane-wise online logsumexp step over a tile's 128-column groups: the new max and sum, each group's
+        exps against its lanes' new max and the old sum's rescale. A lane that has seen only masked columns sums
+        their count at the masked logit, which the combine weighs by 0."""
+        new_max = functools.reduce(jnp.maximum, groups, m)
+        rescale = jnp.exp(m - new_max)
+        exps = [jnp.exp(group - new_max) for group in groups]
+        return new_max, functools.reduce(jnp.add, exps, z * rescale), exps, rescale
 
-    exps_a, rescale_a = update(m_a, z_a, a)
-    exps_b, rescale_b = update(m_b, z_b, b)
+    ma, za, mb, zb, acc = m_a[...], z_a[...], m_b[...], z_b[...], s_acc[...]
+    a, b = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg)
+    groups_a, groups_b = _groups(a), _groups(b)
+    ma, za, exps_a, rescale_a = update(ma, za, groups_a)
+    mb, zb, exps_b, rescale_b = update(mb, zb, groups_b)
     if with_divergence:  # each masked column has a == b (both MASKED_LOGIT) and adds nothing
         if forward:
-            s_acc[...] = s_acc[...] * rescale_b + _sum(exps_b * (b - a))
+            terms = [e * (gb - ga) for e, ga, gb in zip(exps_b, groups_a, groups_b, strict=True)]
+            acc = functools.reduce(jnp.add, terms, acc * rescale_b)
         else:
-            s_acc[...] = s_acc[...] * rescale_a + _sum(exps_a * (a - b))
+            terms = [e * (ga - gb) for e, ga, gb in zip(exps_a, groups_a, groups_b, strict=True)]
+            acc = functools.reduce(jnp.add, terms, acc * rescale_a)
+    m_a[...], z_a[...], m_b[...], z_b[...], s_acc[...] = ma, za, mb, zb, acc
 
     @pl.when(j == cfg.nv - 1)
     def _():
-        lse_a = m_a[...] + jnp.log(z_a[...])
-        lse_b = m_b[...] + jnp.log(z_b[...])
+        def lse_and_share(m_ref, z_ref) -> tuple[jax.Array, jax.Array, jax.Array]:
+            row_max = jnp.max(m_ref[...], axis=1, keepdims=True)
+            share = jnp.exp(m_ref[...] - row_max)
+            total = _rows(z_ref[...] * share)
+            return row_max + jnp.log(total), share, total
+
+        lse_a, share_a, total_a = lse_and_share(m_a, z_a)
+        lse_b, share_b, total_b = lse_and_share(m_b, z_b)
         lse_a_ref[...] = lse_a
         lse_b_ref[...] = lse_b
         if not with_divergence:
             div_ref[...] = jnp.zeros_like(lse_a)
         elif forward:
-            div_ref[...] = s_acc[...] / z_b[...] - lse_b + lse_a
+            div_ref[...] = _rows(s_acc[...] * share_b) / total_b - lse_b + lse_a
         else:
-            div_ref[...] = s_acc[...] / z_a[...] - lse_a + lse_b
+            div_ref[...] = _rows(s_acc[...] * share_a) / total_a - lse_a + lse_b
 
 
 def _head_spec(hp: int, block_v: int, layout: str, index) -> pl.BlockSpec:
@@ -268,12 +293,12 @@ def _head_spec(hp: int, block_v: int, layout: str, index) -> pl.BlockSpec:
     return pl.BlockSpec((block_v, hp), lambda *grid: (index(*grid), 0))
 
 
-def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scale: jax.Array, live: jax.Array,
-                    cfg: PairConfig, mode: str,
-                    lse: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, ...]:
+def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scale: jax.Array, cfg: PairConfig,
+                    mode: str, lse: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, ...]:
     """``(lse_a, lse_b, divergence)`` (``mode`` ``"online"``; ``"lses"``: the divergence 0) or ``(divergence,
-    student_term)`` (``"given"``, with the whole rows' ``lse``), each float32 ``[N, 1]``. ``scale`` and ``live``:
-    float32 ``[N, 1]`` (the row scale; 1 where a row is live, 0 where not)."""
+    student_term)`` (``"given"``, with the whole rows' ``lse``), each float32 ``[N, 1]``. ``scale``: float32 ``[N, 1]``
+    (the row scale). Every row's statistics are those of its own hidden states (a dead row's are replaced by
+    :func:`pair_row_stats`)."""
     if mode not in MODES:
         raise ValueError(f"pair_stats_call: mode must be one of {MODES}, got {mode!r}")
     if (mode == "given") != (lse is not None):
@@ -284,8 +309,8 @@ def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scal
                                                                          lambda i, j: j),
                 pl.BlockSpec((cfg.block_b, cfg.htp), rows), _head_spec(cfg.htp, cfg.block_v,
                                                                          cfg.spec.teacher_w_layout, lambda i, j: j),
-                row_spec, row_spec]
-    inputs = [x, w, u, v, scale, live]
+                row_spec]
+    inputs = [x, w, u, v, scale]
     if mode == "given":
         assert lse is not None
         in_specs += [row_spec, row_spec]
@@ -300,7 +325,7 @@ def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scal
         in_specs=in_specs,
         out_specs=[row_spec] * outputs,
         out_shape=[common.out_type((cfg.n, 1), jnp.float32, axes)] * outputs,
-        scratch_shapes=[pltpu.VMEM((cfg.block_b, 1), jnp.float32)] * scratch_count,
+        scratch_shapes=[pltpu.VMEM((cfg.block_b, LANES), jnp.float32)] * scratch_count,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         interpret=cfg.interpret,
@@ -320,29 +345,45 @@ def _grad_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, lse_a_ref, lse
     spec = cfg.spec
     c, j = pl.program_id(0), pl.program_id(1)
     block = c * cfg.nv_per_core + j
-    rows = _rows_valid(0, cfg.block_b, cfg.n, live_ref[...])
-    cols = _cols_valid(block, cfg)
-    scale = scale_ref[...]
-    x = _operand(x_ref, cfg.hs, cfg.hsp, rows)
-    w = _head_block(w_ref, cfg.hs, cfg.hsp, spec.w_layout, block, cfg)
-    a, slope = _logits(x, w, spec.w_layout, spec.logit_soft_cap, scale, cfg.precision, cols)
-    b = _logits(_operand(u_ref, cfg.ht, cfg.htp, rows),
-                _head_block(v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout), spec.teacher_w_layout,
-                spec.teacher_logit_soft_cap, scale, cfg.precision, cols)[0]
-    g = jnp.where(rows, g_ref[...], 0.0)
-    delta = _delta(a, b, slope, scale, lse_a_ref[...], lse_b_ref[...], div_ref[...], student_ref[...], g, spec)
-    delta = jnp.where(cols, delta, 0.0).astype(common.mxu_dtype(cfg.precision))
+    rows = _rows_valid(cfg.block_b, cfg.n, live_ref[...])
 
     @pl.when(j == 0)
     def _():
+        # The chunk's hidden states stay in VMEM over the core's steps: dead rows zeroed once, in place, so that
+        # their logits are finite and their delta (g = 0) exactly 0 (a NaN would reach dw and dx through it).
+        x_ref[...] = jnp.where(rows, x_ref[...], jnp.zeros((), x_ref.dtype))
+        u_ref[...] = jnp.where(rows, u_ref[...], jnp.zeros((), u_ref.dtype))
+        _zero_tails(x_ref, None, cfg.hs, cfg.hsp)
+        _zero_tails(u_ref, None, cfg.ht, cfg.htp)
         dx_acc[...] = jnp.zeros_like(dx_acc)
 
-    if spec.w_layout == "hv":
-        dx_acc[...] += common.matmul_nt(delta, w, cfg.precision)
-        dw_ref[...] = dw_in_ref[...] + common.matmul_tn(x, delta, cfg.precision)
+    def step():
+        _zero_tails(None, w_ref, cfg.hs, cfg.hsp, spec.w_layout)
+        _zero_tails(None, v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout)
+        if cfg.v % cfg.block_v:  # the last block's columns past V: garbage that would reach dx through delta = 0
+            pl.when(block == cfg.nv - 1)(lambda: _zero_head_columns(w_ref, block, cfg))
+        cols = _cols_valid(block, cfg)
+        scale = scale_ref[...]
+        a, slope = _logits(x_ref[...], w_ref[...], spec.w_layout, spec.logit_soft_cap, scale, cfg.precision, cols)
+        b = _logits(u_ref[...], v_ref[...], spec.teacher_w_layout, spec.teacher_logit_soft_cap, scale, cfg.precision,
+                    cols)[0]
+        # Columns past V have probability 0 in both heads, dead rows g = 0: their delta is 0 without a select (a
+        # select feeding the product becomes a masked matmul that libtpu's profiler refuses).
+        g = jnp.where(rows, g_ref[...], 0.0)
+        delta = _delta(a, b, slope, scale, lse_a_ref[...], lse_b_ref[...], div_ref[...], student_ref[...], g, spec)
+        delta = delta.astype(common.mxu_dtype(cfg.precision))
+        w = w_ref[...]
+        if spec.w_layout == "hv":
+            dx_acc[...] += common.matmul_nt(delta, w, cfg.precision)
+            dw_ref[...] = dw_in_ref[...] + common.matmul_tn(x_ref[...], delta, cfg.precision)
+        else:
+            dx_acc[...] += common.matmul(delta, w, cfg.precision)
+            dw_ref[...] = dw_in_ref[...] + common.matmul_tn(delta, x_ref[...], cfg.precision)
+
+    if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core has a block fewer: its last step repeats a block
+        pl.when(block < cfg.nv)(step)
     else:
-        dx_acc[...] += common.matmul(delta, w, cfg.precision)
-        dw_ref[...] = dw_in_ref[...] + common.matmul_tn(delta, x, cfg.precision)
+        step()
 
     @pl.when(j == cfg.nv_per_core - 1)
     def _():
@@ -354,8 +395,8 @@ def pair_grad_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, rows:
     """One chunk's float32 ``dx`` (``[cores, rows, Hsp]``, summed by the caller) and the running float32 ``dw`` plus
     the chunk's share (``running_dw``: ``w``'s layout, padded to whole blocks). ``rows``: float32 ``[rows, 1]`` each of
     ``scale``, ``live``, ``lse``, ``teacher_lse``, ``divergence``, ``student_term`` and ``g``."""
-    nvc = cfg.nv_per_core
-    column = lambda c, j: c * nvc + j  # noqa: E731
+    nvc, nv = cfg.nv_per_core, cfg.nv
+    column = lambda c, j: jnp.minimum(c * nvc + j, nv - 1)  # noqa: E731  (a short core repeats its last block)
     whole = lambda c, j: (0, 0)  # noqa: E731
     row_spec = pl.BlockSpec((cfg.block_b, 1), whole)
     dw_spec = _head_spec(cfg.hsp, cfg.block_v, cfg.spec.w_layout, column)
@@ -396,8 +437,14 @@ def pair_grad_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, rows:
 #: Tiles ``(statistics token block, gradient chunk rows, vocab block)`` to use instead of the rule's (tests set
 #: small ones so that a call takes several of each); ``None``: :func:`make_configs` decides.
 BLOCKS: tuple[int, int, int] | None = None
-#: The rule's largest tiles: statistics token blocks, gradient chunks and vocab blocks.
-STATS_ROWS, CHUNK_ROWS, VOCAB_COLUMNS = 512, 1024, 512
+#: The rule's largest tiles: gradient chunks and their vocab blocks.
+CHUNK_ROWS, VOCAB_COLUMNS = 1024, 512
+#: The statistics kernel's tiles ``(token rows, vocab columns)`` per generation (others: ``"default"``). A step's
+#: vector work that waits for its last product is a fixed share of the step; v6e's MXU is four times v5e's against
+#: vector units of the same width, so it hides that share only in larger tiles (libtpu's static schedule,
+#: ``tools/schedule_pair.py``: a KL's pass at Qwen3-8B -> 0.6B went 1.27 -> 1.19 of its MXU minimum from 512 to
+#: 1,024 square; v5e and v5p are at 1.04 with 512).
+STATS_TILES = {"default": (512, 512), "v6e": (1024, 1024)}
 #: Rows and columns are multiples of these (a bf16 block's rows fill whole packed sublanes).
 ROW_ALIGN = 16
 
@@ -413,7 +460,7 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
                  target) -> tuple[PairConfig, PairConfig]:
     """The statistics kernel's and the gradient kernel's configs for ``n`` rows on ``target``."""
     from ce_pallas_tpu import tiling
-    from ce_pallas_tpu.target import interpret_params
+    from ce_pallas_tpu.target import active_cores, interpret_params
 
     sizes = [jnp.dtype(d).itemsize for d in dtypes]
     precision = common.resolve_precision(dtypes[0], dtypes[1], spec.precision)
@@ -422,8 +469,10 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
     rows_cap = round_up(n, ROW_ALIGN) if n > ROW_ALIGN else n  # a statistics block may overhang N
     if BLOCKS is not None:
         stats_rows, chunk, block_v = BLOCKS
+        stats_v = block_v
     else:
-        stats_rows, chunk, block_v = STATS_ROWS, CHUNK_ROWS, VOCAB_COLUMNS
+        stats_rows, stats_v = STATS_TILES.get(target.generation, STATS_TILES["default"])
+        chunk, block_v = CHUNK_ROWS, VOCAB_COLUMNS
         budget = (limit or tiling.vmem_limit(target)) * 3 // 4
         hsp, htp = round_up(hs, LANES), round_up(ht, LANES)
         while chunk > 128 and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
@@ -432,12 +481,11 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
     # ``N``, and whole packed sublanes where ``N`` has that many.
     stats_rows = min(stats_rows, rows_cap)
     chunk = n if n <= ROW_ALIGN else min(chunk, n // ROW_ALIGN * ROW_ALIGN)
-    block_v = min(block_v, round_up(v, LANES))
-    nv = pl.cdiv(v, block_v)
-    cores = target.num_cores if nv % target.num_cores == 0 else 1
-    base = PairConfig(n=n, hs=hs, ht=ht, v=v, block_b=stats_rows, block_v=block_v, num_cores=1, spec=spec,
-                      precision=precision, interpret=interpret, vmem_limit_bytes=limit)
-    return base, dataclasses.replace(base, n=chunk, block_b=chunk, num_cores=cores)
+    block_v, stats_v = min(block_v, round_up(v, LANES)), min(stats_v, round_up(v, LANES))
+    cores = active_cores(target.num_cores, pl.cdiv(v, block_v))
+    stats = PairConfig(n=n, hs=hs, ht=ht, v=v, block_b=stats_rows, block_v=stats_v, num_cores=1, spec=spec,
+                       precision=precision, interpret=interpret, vmem_limit_bytes=limit)
+    return stats, dataclasses.replace(stats, n=chunk, block_b=chunk, block_v=block_v, num_cores=cores)
 
 
 def _column(values: jax.Array | None, n: int, fill: float = 0.0) -> jax.Array:
@@ -458,17 +506,22 @@ def pair_row_stats(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, spec:
     n, vocab = x.shape[0], _vocab(w, spec.w_layout)
     cfg, _ = make_configs(n, x.shape[1], u.shape[1], vocab, (x.dtype, w.dtype, u.dtype, v.dtype), spec,
                           current_target())
-    scale, alive = _column(row_scale, n, 1.0), _column(live, n, 1.0)
-    flat = lambda column: column.reshape(n)  # noqa: E731
+    scale = _column(row_scale, n, 1.0)
+    alive = jnp.ones((n,), bool) if live is None else live.reshape(n).astype(bool)
+    # A dead row's statistics are those of zero hidden states: every logit 0 in both heads, so each lse is
+    # log V and every divergence term 0 (computed rows are replaced, whatever their hidden states hold).
+    zero_lse = jnp.float32(math.log(vocab))
+    dead_lse = lambda column: jnp.where(alive, column.reshape(n), zero_lse)  # noqa: E731
+    dead_zero = lambda column: jnp.where(alive, column.reshape(n), 0.0)  # noqa: E731
     jsd = spec.divergence == "jsd"
     if lse is None and not jsd:
-        lse_a, lse_b, divergence = pair_stats_call(x, w, u, v, scale, alive, cfg, "online")
-        return PairStats(flat(lse_a), flat(lse_b), flat(divergence))
+        lse_a, lse_b, divergence = pair_stats_call(x, w, u, v, scale, cfg, "online")
+        return PairStats(dead_lse(lse_a), dead_lse(lse_b), dead_zero(divergence))
     if lse is None:
-        lse_a, lse_b, _ = pair_stats_call(x, w, u, v, scale, alive, cfg, "lses")
-        lse = (flat(lse_a), flat(lse_b))
-    divergence, student = pair_stats_call(x, w, u, v, scale, alive, cfg, "given", lse=lse)
-    return PairStats(lse[0], lse[1], flat(divergence), flat(student) if jsd else None)
+        lse_a, lse_b, _ = pair_stats_call(x, w, u, v, scale, cfg, "lses")
+        lse = (dead_lse(lse_a), dead_lse(lse_b))
+    divergence, student = pair_stats_call(x, w, u, v, scale, cfg, "given", lse=lse)
+    return PairStats(lse[0], lse[1], dead_zero(divergence), dead_zero(student) if jsd else None)
 
 
 def pair_grads(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, stats, g: jax.Array, spec: PairSpec, *,
