@@ -120,12 +120,25 @@ def _zero_head_columns(w_ref, block, cfg: PairConfig) -> None:
 
 
 def _logits(x: jax.Array, w: jax.Array, layout: str, cap: float | None, scale: jax.Array, precision: str,
-            cols_valid: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """``s * cap(x @ w)`` (float32 ``[rows, c]``, columns past ``V`` at :data:`MASKED_LOGIT`) and ``cap'`` there."""
+            cols_valid: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    """``s * cap(x @ w)`` (float32 ``[rows, c]``; given ``cols_valid``, the columns past ``V`` at
+    :data:`MASKED_LOGIT`) and ``cap'`` there."""
     raw = common.matmul(x, w, precision) if layout == "hv" else common.matmul_nt(x, w, precision)
     capped, t = common.soft_cap(raw, cap)
     slope = None if t is None else 1.0 - t * t
-    return jnp.where(cols_valid, scale * capped, MASKED_LOGIT), slope
+    logits = scale * capped
+    return (logits if cols_valid is None else jnp.where(cols_valid, logits, MASKED_LOGIT)), slope
+
+
+def _per_block(block, cfg: PairConfig, step) -> None:
+    """``step(masked)`` for this grid step's vocab ``block``: ``masked`` (columns past ``V`` to mask) on a ragged last
+    block only, so no other block pays a select an element."""
+    if cfg.v % cfg.block_v == 0:
+        step(False)
+        return
+    last = block == cfg.nv - 1
+    pl.when(last)(functools.partial(step, True))
+    pl.when(jnp.logical_not(last))(functools.partial(step, False))
 
 
 def _cols_valid(block, cfg: PairConfig) -> jax.Array:
@@ -153,9 +166,14 @@ def _rows(lanes: jax.Array) -> jax.Array:
     return jnp.sum(lanes, axis=1, keepdims=True)
 
 
-def _log_mixture(log_p: jax.Array, log_q: jax.Array, beta: float) -> jax.Array:
-    """``log(beta q + (1 - beta) p)`` (the contract's mixture)."""
-    return jnp.logaddexp(jnp.log(beta) + log_q, jnp.log1p(-beta) + log_p)
+#: The smallest normal float32: the mixture's floor, where both probabilities underflow (their terms are then 0).
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def _log_mixture(p: jax.Array, q: jax.Array, beta: float) -> jax.Array:
+    """``log(beta q + (1 - beta) p)`` (the contract's mixture) from the probabilities: one transcendental where a
+    ``logaddexp`` of the log-probabilities takes two and a dozen vector operations."""
+    return jnp.log(jnp.maximum(beta * q + (1.0 - beta) * p, _TINY))
 
 
 def _given_terms(a: jax.Array, b: jax.Array, lse_a: jax.Array, lse_b: jax.Array,
@@ -168,7 +186,7 @@ def _given_terms(a: jax.Array, b: jax.Array, lse_a: jax.Array, lse_b: jax.Array,
         return _lane_sum(q * (log_q - log_p)), jnp.zeros((a.shape[0], LANES), jnp.float32)
     if spec.divergence == "reverse_kl":
         return _lane_sum(p * (log_p - log_q)), jnp.zeros((a.shape[0], LANES), jnp.float32)
-    log_m = _log_mixture(log_p, log_q, spec.beta)
+    log_m = _log_mixture(p, q, spec.beta)
     student = _lane_sum(p * (log_p - log_m))
     return spec.beta * _lane_sum(q * (log_q - log_m)) + (1.0 - spec.beta) * student, student
 
@@ -184,7 +202,7 @@ def _delta(a: jax.Array, b: jax.Array, slope: jax.Array | None, scale: jax.Array
     elif spec.divergence == "reverse_kl":
         d_a = p * ((log_p - log_q) - divergence)
     else:
-        d_a = (1.0 - spec.beta) * p * ((log_p - _log_mixture(log_p, log_q, spec.beta)) - student_term)
+        d_a = (1.0 - spec.beta) * p * ((log_p - _log_mixture(p, jnp.exp(log_q), spec.beta)) - student_term)
     delta = (g * scale) * d_a
     return delta if slope is None else delta * slope
 
@@ -193,11 +211,13 @@ def _delta(a: jax.Array, b: jax.Array, slope: jax.Array | None, scale: jax.Array
 # The statistics kernel.
 
 
-def _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg: PairConfig) -> tuple[jax.Array, jax.Array]:
-    """Both heads' logit tiles of this grid step ``(token block, vocab block)``. Rows past ``N`` and dead rows are
-    computed as they stand: each row's statistics are its own, and the wrapper replaces a dead row's."""
+def _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg: PairConfig,
+                 masked: bool) -> tuple[jax.Array, jax.Array]:
+    """Both heads' logit tiles of this grid step ``(token block, vocab block)``, the columns past ``V`` masked if
+    ``masked``. Rows past ``N`` and dead rows are computed as they stand: each row's statistics are its own, and
+    the wrapper replaces a dead row's."""
     spec = cfg.spec
-    cols = _cols_valid(pl.program_id(1), cfg)
+    cols = _cols_valid(pl.program_id(1), cfg) if masked else None
     scale = scale_ref[...]
     _zero_tails(x_ref, w_ref, cfg.hs, cfg.hsp, spec.w_layout)
     _zero_tails(u_ref, v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout)
@@ -217,10 +237,13 @@ def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, d
         div_acc[...] = jnp.zeros_like(div_acc)
         student_acc[...] = jnp.zeros_like(student_acc)
 
-    lse_a, lse_b = lse_a_ref[...], lse_b_ref[...]
-    div, student = _given_terms(*_stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg), lse_a, lse_b, cfg.spec)
-    div_acc[...] += div
-    student_acc[...] += student
+    def step(masked: bool) -> None:
+        tiles = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked)
+        div, student = _given_terms(*tiles, lse_a_ref[...], lse_b_ref[...], cfg.spec)
+        div_acc[...] += div
+        student_acc[...] += student
+
+    _per_block(j, cfg, step)
 
     @pl.when(j == cfg.nv - 1)
     def _():
@@ -252,19 +275,21 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
         exps = [jnp.exp(group - new_max) for group in groups]
         return new_max, functools.reduce(jnp.add, exps, z * rescale), exps, rescale
 
-    ma, za, mb, zb, acc = m_a[...], z_a[...], m_b[...], z_b[...], s_acc[...]
-    a, b = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg)
-    groups_a, groups_b = _groups(a), _groups(b)
-    ma, za, exps_a, rescale_a = update(ma, za, groups_a)
-    mb, zb, exps_b, rescale_b = update(mb, zb, groups_b)
-    if with_divergence:  # each masked column has a == b (both MASKED_LOGIT) and adds nothing
-        if forward:
-            terms = [e * (gb - ga) for e, ga, gb in zip(exps_b, groups_a, groups_b, strict=True)]
-            acc = functools.reduce(jnp.add, terms, acc * rescale_b)
-        else:
-            terms = [e * (ga - gb) for e, ga, gb in zip(exps_a, groups_a, groups_b, strict=True)]
-            acc = functools.reduce(jnp.add, terms, acc * rescale_a)
-    m_a[...], z_a[...], m_b[...], z_b[...], s_acc[...] = ma, za, mb, zb, acc
+    def step(masked: bool) -> None:
+        a, b = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked)
+        groups_a, groups_b = _groups(a), _groups(b)
+        ma, za, exps_a, rescale_a = update(m_a[...], z_a[...], groups_a)
+        mb, zb, exps_b, rescale_b = update(m_b[...], z_b[...], groups_b)
+        if with_divergence:  # each masked column has a == b (both MASKED_LOGIT) and adds nothing
+            if forward:
+                terms = [e * (gb - ga) for e, ga, gb in zip(exps_b, groups_a, groups_b, strict=True)]
+                s_acc[...] = functools.reduce(jnp.add, terms, s_acc[...] * rescale_b)
+            else:
+                terms = [e * (ga - gb) for e, ga, gb in zip(exps_a, groups_a, groups_b, strict=True)]
+                s_acc[...] = functools.reduce(jnp.add, terms, s_acc[...] * rescale_a)
+        m_a[...], z_a[...], m_b[...], z_b[...] = ma, za, mb, zb
+
+    _per_block(j, cfg, step)
 
     @pl.when(j == cfg.nv - 1)
     def _():
@@ -357,12 +382,12 @@ def _grad_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, lse_a_ref, lse
         _zero_tails(u_ref, None, cfg.ht, cfg.htp)
         dx_acc[...] = jnp.zeros_like(dx_acc)
 
-    def step():
+    def step(masked: bool) -> None:
         _zero_tails(None, w_ref, cfg.hs, cfg.hsp, spec.w_layout)
         _zero_tails(None, v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout)
-        if cfg.v % cfg.block_v:  # the last block's columns past V: garbage that would reach dx through delta = 0
-            pl.when(block == cfg.nv - 1)(lambda: _zero_head_columns(w_ref, block, cfg))
-        cols = _cols_valid(block, cfg)
+        if masked:  # the last block's columns past V: garbage that would reach dx through delta = 0
+            _zero_head_columns(w_ref, block, cfg)
+        cols = _cols_valid(block, cfg) if masked else None
         scale = scale_ref[...]
         a, slope = _logits(x_ref[...], w_ref[...], spec.w_layout, spec.logit_soft_cap, scale, cfg.precision, cols)
         b = _logits(u_ref[...], v_ref[...], spec.teacher_w_layout, spec.teacher_logit_soft_cap, scale, cfg.precision,
@@ -381,9 +406,9 @@ def _grad_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, live_ref, lse_a_ref, lse
             dw_ref[...] = dw_in_ref[...] + common.matmul_tn(delta, x_ref[...], cfg.precision)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core has a block fewer: its last step repeats a block
-        pl.when(block < cfg.nv)(step)
+        pl.when(block < cfg.nv)(lambda: _per_block(block, cfg, step))
     else:
-        step()
+        _per_block(block, cfg, step)
 
     @pl.when(j == cfg.nv_per_core - 1)
     def _():
