@@ -15,8 +15,31 @@ from ce_core.extend import vary, varying_axes_of
 from ce_pallas_tpu.layout import LANES
 
 
+class GridCounts:
+    """The block counts of a kernel's grid, from the fields a config dataclass declares."""
+
+    n: int  # token rows
+    v: int  # vocab size
+    block_b: int  # token block
+    block_v: int  # vocab block
+    num_cores: int  # cores the vocab blocks are split over
+
+    @property
+    def nb(self) -> int:
+        return pl.cdiv(self.n, self.block_b)
+
+    @property
+    def nv(self) -> int:
+        return pl.cdiv(self.v, self.block_v)
+
+    @property
+    def nv_per_core(self) -> int:
+        """Vocab blocks per core (the last core may have one fewer)."""
+        return pl.cdiv(self.nv, self.num_cores)
+
+
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(GridCounts):
     """Static shape and tiling of one kernel call (hashable: a static argument of the custom VJP)."""
 
     n: int  # tokens
@@ -44,20 +67,8 @@ class KernelConfig:
         return BlockSizes(self.block_b, self.block_h, self.block_v)
 
     @property
-    def nb(self) -> int:
-        return pl.cdiv(self.n, self.block_b)
-
-    @property
-    def nv(self) -> int:
-        return pl.cdiv(self.v, self.block_v)
-
-    @property
     def nh(self) -> int:
         return self.hp // self.block_h
-
-    @property
-    def nv_per_core(self) -> int:
-        return pl.cdiv(self.nv, self.num_cores)
 
     @property
     def padded_n(self) -> int:

@@ -58,7 +58,7 @@ MODES = ("online", "lses", "given")
 
 
 @dataclasses.dataclass(frozen=True)
-class PairConfig:
+class PairConfig(common.GridCounts):
     """Static shape and tiling of one pair kernel call (hashable)."""
 
     n: int  # token rows of the call (the gradient kernel: of its chunk)
@@ -81,17 +81,6 @@ class PairConfig:
     def htp(self) -> int:
         return round_up(self.ht, LANES)
 
-    @property
-    def nb(self) -> int:
-        return pl.cdiv(self.n, self.block_b)
-
-    @property
-    def nv(self) -> int:
-        return pl.cdiv(self.v, self.block_v)
-
-    @property
-    def nv_per_core(self) -> int:
-        return pl.cdiv(self.nv, self.num_cores)
 
 
 # ---------------------------------------------------------------------------------------------
