@@ -47,9 +47,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ce_core.extend import PairSpec, vary_like
-from ce_pallas_tpu import common
+from ce_core.extend import PairSpec, PairStats, vary_like
+from ce_pallas_tpu import common, tiling
 from ce_pallas_tpu.layout import LANES, round_up
+from ce_pallas_tpu.target import active_cores, current_target, interpret_params
 
 #: The logit given to vocab columns past ``V``: far below any real one, yet finite.
 MASKED_LOGIT = -1e30
@@ -473,9 +474,6 @@ def _grad_vmem_bytes(chunk: int, hsp: int, htp: int, block_v: int, x_bytes: int,
 def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, Any], spec: PairSpec,
                  target) -> tuple[PairConfig, PairConfig]:
     """The statistics kernel's and the gradient kernel's configs for ``n`` rows on ``target``."""
-    from ce_pallas_tpu import tiling
-    from ce_pallas_tpu.target import active_cores, interpret_params
-
     sizes = [jnp.dtype(d).itemsize for d in dtypes]
     precision = common.resolve_precision(dtypes[0], dtypes[1], spec.precision)
     interpret = interpret_params(target)
@@ -514,9 +512,6 @@ def pair_row_stats(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, spec:
                    live: jax.Array | None = None):
     """:class:`ce_core.extend.PairStats` of every row (contract version 5; dead rows' statistics are those of
     zero hidden states): one pass for a KL, two for the JSD, one with the whole rows' ``lse`` given."""
-    from ce_core.extend import PairStats
-    from ce_pallas_tpu.target import current_target
-
     n, vocab = x.shape[0], _vocab(w, spec.w_layout)
     cfg, _ = make_configs(n, x.shape[1], u.shape[1], vocab, (x.dtype, w.dtype, u.dtype, v.dtype), spec,
                           current_target())
@@ -543,8 +538,6 @@ def pair_grads(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, stats, g:
     """``dx`` and ``dw`` of ``sum(g * divergence)`` given the whole rows' statistics: the gradient kernel over
     chunks of rows (the last one moved back to end at ``N``; its rows an earlier chunk took get ``g = 0`` and
     keep that chunk's ``dx``), ``dw`` summed in float32 across them."""
-    from ce_pallas_tpu.target import current_target
-
     n, vocab = x.shape[0], _vocab(w, spec.w_layout)
     if n == 0:
         return jnp.zeros_like(x), jnp.zeros_like(w)
