@@ -83,7 +83,6 @@ class PairConfig(common.GridCounts):
         return round_up(self.ht, LANES)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Traced inside the kernels.
 
@@ -167,15 +166,15 @@ def _log_mixture(p: jax.Array, q: jax.Array, beta: float) -> jax.Array:
 
 
 def _given_terms(a: jax.Array, b: jax.Array, lse_a: jax.Array, lse_b: jax.Array,
-                 spec: PairSpec) -> tuple[jax.Array, jax.Array]:
-    """This tile's terms of the divergence's and the JSD's ``student_term`` sums, per lane (``[rows, 128]``
-    each), the lses given: :func:`ce_core.extend.pair_stats_of`'s terms, per tile."""
+                 spec: PairSpec) -> tuple[jax.Array, jax.Array | None]:
+    """This tile's terms of the divergence's and the JSD's ``student_term`` sums (None for a KL), per lane
+    (``[rows, 128]`` each), the lses given: :func:`ce_core.extend.pair_stats_of`'s terms, per tile."""
     log_p, log_q = a - lse_a, b - lse_b
     p, q = jnp.exp(log_p), jnp.exp(log_q)
     if spec.divergence == "forward_kl":
-        return _lane_sum(q * (log_q - log_p)), jnp.zeros((a.shape[0], LANES), jnp.float32)
+        return _lane_sum(q * (log_q - log_p)), None
     if spec.divergence == "reverse_kl":
-        return _lane_sum(p * (log_p - log_q)), jnp.zeros((a.shape[0], LANES), jnp.float32)
+        return _lane_sum(p * (log_p - log_q)), None
     log_m = _log_mixture(p, q, spec.beta)
     student = _lane_sum(p * (log_p - log_m))
     return spec.beta * _lane_sum(q * (log_q - log_m)) + (1.0 - spec.beta) * student, student
@@ -207,10 +206,17 @@ def _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg: PairConfig,
     ``masked``. Rows past ``N`` and dead rows are computed as they stand: each row's statistics are its own, and
     the wrapper replaces a dead row's."""
     spec = cfg.spec
-    cols = _cols_valid(pl.program_id(1), cfg) if masked else None
+    j = pl.program_id(1)
+    cols = _cols_valid(j, cfg) if masked else None
     scale = scale_ref[...]
-    _zero_tails(x_ref, w_ref, cfg.hs, cfg.hsp, spec.w_layout)
-    _zero_tails(u_ref, v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout)
+
+    @pl.when(j == 0)  # a token block's hidden states arrive with the row's first vocab block and stay
+    def _():
+        _zero_tails(x_ref, None, cfg.hs, cfg.hsp)
+        _zero_tails(u_ref, None, cfg.ht, cfg.htp)
+
+    _zero_tails(None, w_ref, cfg.hs, cfg.hsp, spec.w_layout)
+    _zero_tails(None, v_ref, cfg.ht, cfg.htp, spec.teacher_w_layout)
     a = _logits(x_ref[...], w_ref[...], spec.w_layout, spec.logit_soft_cap, scale, cfg.precision, cols)[0]
     b = _logits(u_ref[...], v_ref[...], spec.teacher_w_layout, spec.teacher_logit_soft_cap, scale, cfg.precision,
                 cols)[0]
@@ -231,7 +237,8 @@ def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, d
         tiles = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked)
         div, student = _given_terms(*tiles, lse_a_ref[...], lse_b_ref[...], cfg.spec)
         div_acc[...] += div
-        student_acc[...] += student
+        if student is not None:
+            student_acc[...] += student
 
     _per_block(j, cfg, step)
 
