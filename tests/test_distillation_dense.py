@@ -457,6 +457,34 @@ def test_pallas_tpu_pair_statistics_of_a_vocab_shard_given_the_whole_rows_lses(p
 
 
 @pytest.mark.interpreter
+def test_pallas_tpu_pair_statistics_redo_a_streamed_step_whose_sums_overflow(pallas_interpreter):
+    """A vocab block after a row's first is streamed (its exps against each lane's reference from earlier blocks);
+    logits 100 nats above the references (the student's in the second block, the teacher's in the ragged third, a
+    few rows each) overflow float32 there, so those steps must be redone exactly: every statistic matches the
+    materialised reference's."""
+    from ce_core.extend import PairSpec
+
+    pallas_interpreter("v5e")
+    pallas, reference = ce_core.get_backend("pallas_tpu"), ce_core.get_backend("reference")
+    x, _, w = random_problem(37, (40,), 40, 700)
+    teacher_x, teacher_w = teacher(38, (40,), 72, 700)
+    x[:, 0], teacher_x[:, 0] = 1.0, 1.0
+    w[0, :], teacher_w[0, :] = 0.0, 0.0
+    w[0, 300:303] = 100.0  # 256-column blocks: the second block, lanes 44-46
+    teacher_w[0, 600] = 100.0  # the third (ragged) block
+    x[5:9, 0] = -1.0  # some rows without the spikes: their steps stream through
+    teacher_x[20:24, 0] = -1.0
+    x, w, teacher_x, teacher_w = (jnp.asarray(value) for value in (x, w, teacher_x, teacher_w))
+    scale = jnp.ones((40,), jnp.float32)
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):  # one pass of each KL; the JSD's lses pass
+        spec = PairSpec(divergence=divergence, beta=0.3)
+        want = reference.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale=scale)
+        got = pallas.pair_row_stats(x, w, teacher_x, teacher_w, spec, row_scale=scale)
+        assert max_rel_error(got.lse, want.lse) <= 1e-6 and max_rel_error(got.teacher_lse, want.teacher_lse) <= 1e-6
+        assert max_rel_error(got.divergence, want.divergence) <= 1e-5, divergence
+
+
+@pytest.mark.interpreter
 def test_pallas_tpu_ignored_tokens_count_for_nothing_even_with_nan_hidden_states(pallas_interpreter, monkeypatch):
     """NaN rows of either head at ignored tokens, in a token block with counted ones, leave the divergence and its
     gradients exact: the pair kernels zero dead rows, never multiply them by a zero cotangent. (Without
@@ -481,6 +509,50 @@ def test_pallas_tpu_ignored_tokens_count_for_nothing_even_with_nan_hidden_states
     assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()
     assert max_rel_error(value, expected["loss"]) <= 1e-5 and max_rel_error(dw, expected["dw"]) <= 1e-4
     assert not np.asarray(dx)[0, :3].any()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
+def test_pallas_tpu_pair_kernels_skip_token_blocks_without_a_counted_token(pallas_interpreter, monkeypatch,
+                                                                          divergence):
+    """Each product of the pair kernels runs once per token block (statistics) or chunk (gradient) holding a counted
+    token, none for the others (a counter in the interpreted products, against the count with none ignored), and
+    the values still match the oracle. v5p: the statistics' token blocks spread over two cores' shares."""
+    from ce_pallas_tpu import common
+
+    pallas_interpreter("v5p")
+    n = 64  # statistics: four blocks of 16; gradient: two chunks of 32
+    x, labels, w = random_problem(39, (n,), 40, 300)
+    teacher_x, teacher_w = teacher(40, (n,), 72, 300)
+    products = ("matmul", "matmul_nt", "matmul_tn")
+    counters: dict[str, list[int]] = {name: [] for name in products}
+    for name in products:
+        original = getattr(common, name)
+
+        def counted(*args, _original=original, _counter=counters[name], **kwargs):
+            jax.debug.callback(lambda: _counter.append(1))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(common, name, counted)
+    second_half = labels.copy()
+    second_half[:32] = -100
+    second_half[[40, 63]] = -100  # ignored tokens inside a counted block: computed, inert
+    first_and_last = np.where((np.arange(n) // 16) % 3 == 0, labels, -100)  # blocks 0 and 3: both chunks
+    patterns = {"none": labels, "all": np.full(n, -100, np.int32), "second half": second_half,
+                "first and last": first_and_last}
+    counts = {}
+    for pattern, pattern_labels in patterns.items():
+        for counter in counters.values():
+            counter.clear()
+        jax.clear_caches()
+        check(x, w, teacher_x, teacher_w, pattern_labels, dtype="float32", divergence=divergence, beta=0.3,
+              implementation="pallas_tpu")
+        counts[pattern] = {name: len(counter) for name, counter in counters.items()}
+    for name in ("matmul", "matmul_tn"):  # the logits of both heads (and dx), dw
+        assert counts["none"][name] > 0 and counts["all"][name] == 0, (name, counts)
+        assert 2 * counts["second half"][name] == counts["none"][name], (name, counts)
+    # Blocks 0 and 3: half the statistics blocks, both gradient chunks.
+    assert counts["first and last"]["matmul_tn"] == counts["none"]["matmul_tn"], counts
 
 
 @pytest.mark.interpreter

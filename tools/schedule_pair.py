@@ -1,7 +1,7 @@
 """libtpu's static schedule of pallas_tpu's pair kernels (issue 42's speed goals): a dense teacher's distillation.
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 uv run python tools/schedule_pair.py [--generations v5e,v5p,v6e]
-        [--pairs qwen3,gemma2] [--divergences forward_kl,jsd] [--tokens 4096]
+        [--pairs qwen3,gemma2] [--divergences forward_kl,jsd] [--tokens 4096] [--passes stats,gradient] [--walk]
 
 Per generation, head pair and divergence, each kernel is compiled at small grids with the default tiles of the
 full problem (bf16 everywhere, each head in its model's layout) and fitted back to the full grid
@@ -43,12 +43,18 @@ def _small(n: int, v: int, block_b: int, block_v: int, cores: int, kb: int, kv: 
 GRAD_ROWS = ("scale", "live", "lse", "teacher_lse", "divergence", "student_term", "g")
 
 
-def _stats_program(x, w, u, v, scale, *lses, cfg, mode: str):
+def _stats_program(x, w, u, v, scale, *lses, cfg, mode: str, walk_shares: int | None):
+    import jax.numpy as jnp
+
     from ce_pallas_tpu import pair
 
+    # ``walk_shares``: the grid walks the token blocks holding a counted token (every one here), as it does for a
+    # call with labels (ce_core then hands the backend which tokens count).
+    live = jnp.ones((cfg.n,), bool)
+    walk = None if walk_shares is None else pair.StatsWalk.of(live, cfg.block_b, walk_shares, cfg.nv)
     if mode == "given":
-        return pair.pair_stats_call(x, w, u, v, scale, cfg, mode, lse=(lses[0][:, 0], lses[1][:, 0]))
-    return pair.pair_stats_call(x, w, u, v, scale, cfg, mode)
+        return pair.pair_stats_call(x, w, u, v, scale, cfg, mode, lse=(lses[0][:, 0], lses[1][:, 0]), walk=walk)
+    return pair.pair_stats_call(x, w, u, v, scale, cfg, mode, walk=walk)
 
 
 def _grad_program(x, w, u, v, *rest, cfg):
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--blocks", default=None, help="STATS_ROWS,CHUNK_ROWS,VOCAB_COLUMNS instead of the rule's")
     parser.add_argument("--passes", default="stats,gradient")
+    parser.add_argument("--walk", action="store_true",
+                        help="the statistics kernels walking the live token blocks (a call with labels)")
     args = parser.parse_args(argv)
     profile = Path(tempfile.mkdtemp(prefix="pair_schedule_"))
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -130,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                                        head(ht, sv, t_layout), column]
                                 if mode == "given":
                                     ops += [column, column]
-                                fn = functools.partial(_stats_program, cfg=small, mode=mode)
+                                fn = functools.partial(_stats_program, cfg=small, mode=mode,
+                                                       walk_shares=cores if args.walk else None)
                                 totals[(kb, kv)] = cycles_of(fn, ops, f"ce_pallas_tpu_pair_stats_{mode}")
                         steps_b = -(-cfg.nb // cores)
                         cycles = BilinearFit.of(totals).total(steps_b, cfg.nv)

@@ -6,12 +6,14 @@ teacher_w``, :mod:`ce_core.contract.pair`) are formed side by side in VMEM and n
 - **Statistics** (:func:`pair_stats_call`), grid ``(token blocks, vocab blocks)``, the vocab axis a reduction.
   Every running statistic is kept per lane (``[rows, 128]``: a tile's 128-column groups folded in elementwise),
   so no step waits on a cross-lane reduction; the lanes are combined once, at the row's last block.
-  ``online``: each lane keeps a running max and sum of exps per head (an online logsumexp) and, for a KL, the
-  divergence's running sum against the running max of the distribution that weighs it
-  (``sum_j e^(b_j - m_b) (b_j - a_j)`` for the forward KL, ``sum_j e^(a_j - m_a) (a_j - b_j)`` for the reverse),
-  rescaled with that max; at the row's last block ``KL(q||p) = sum_j q_j (b_j - a_j) - lse_b + lse_a`` (the
-  reverse alike). ``given`` (the whole rows' lses known: a JSD's second pass, a vocab shard's part): each tile
-  adds its terms of the contract's sums as they stand.
+  ``online``: each lane keeps a reference per head and the sum of exps against it (an online logsumexp) and, for
+  a KL, the divergence's running sum against the reference of the distribution that weighs it
+  (``sum_j e^(b_j - m_b) (b_j - a_j)`` for the forward KL, ``sum_j e^(a_j - m_a) (a_j - b_j)`` for the reverse);
+  at the row's last block ``KL(q||p) = sum_j q_j (b_j - a_j) - lse_b + lse_a`` (the reverse alike). A row's first
+  block sets the references to the lanes' maxima; later blocks are streamed against them as they stand (no max,
+  no rescale) and a step whose sums overflow is redone exactly, as the single-head forward does. ``given`` (the
+  whole rows' lses known: a JSD's second pass, a vocab shard's part): each tile adds its terms of the contract's
+  sums as they stand.
 - **Gradient** (:func:`pair_grad_call`), one chunk of ``block_b`` token rows per call, grid ``(cores, vocab
   blocks per core)``: the chunk's ``x`` and ``u`` stay in VMEM, each step recomputes both heads' tiles for its
   vocab block, forms the student's ``delta`` from the whole rows' statistics, adds ``delta @ w.T`` into the
@@ -40,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ce_core.extend import PairSpec, PairStats, vary_like
-from ce_pallas_tpu import common, tiling
+from ce_pallas_tpu import common, tile_stats, tiling
 from ce_pallas_tpu.layout import LANES, round_up
 from ce_pallas_tpu.target import active_cores, current_target, interpret_params
 
@@ -197,6 +199,75 @@ def _delta(a: jax.Array, b: jax.Array, slope: jax.Array | None, scale: jax.Array
 
 
 # ---------------------------------------------------------------------------------------------
+# Dead token blocks: the statistics kernel's token axis walks a permutation of the blocks.
+
+
+class StatsWalk(NamedTuple):
+    """Which token block each position of the statistics kernel's token axis takes (scalar prefetch, int32 ``[nb]``
+    each): ``owner`` a permutation of the blocks, the live ones (holding a live row) first within each core's share
+    of the positions and spread evenly over the shares; ``reads`` the block whose operands a position reads: its
+    own where live, else the share's last live block, and ``vocab_floor`` the least vocab block it reads (0 where
+    live, the last where dead), so that a dead position fetches nothing new; ``walk`` the body's (:func:`common.
+    token_block`'s encoding: ``~reads`` where dead), which runs no matmul there. Each index map reads one scalar.
+    The axis stays ``"parallel"`` (split between v5p's cores): each position writes only its own block's rows (a
+    dead block's are garbage, replaced by :func:`pair_row_stats`)."""
+
+    walk: jax.Array
+    reads: jax.Array
+    vocab_floor: jax.Array
+    owner: jax.Array
+
+    @classmethod
+    def of(cls, live: jax.Array, block_b: int, shares: int, nv: int) -> StatsWalk:
+        """The walk of the bool mask ``live [N]`` in blocks of ``block_b`` rows over ``shares`` contiguous shares of
+        the positions (one per TensorCore that splits a ``"parallel"`` axis), ``nv`` vocab blocks a row."""
+        block_live = _blocks_live(live, block_b)
+        nb = block_live.shape[0]
+        share_size = pl.cdiv(nb, shares)
+        positions = jnp.arange(nb, dtype=jnp.int32)
+        share, slot = positions // share_size, positions % share_size
+        # Positions in the order they are filled: slot by slot, across the shares.
+        filling = jnp.argsort(slot * shares + share).astype(jnp.int32)
+        blocks = jnp.argsort(jnp.logical_not(block_live), stable=True).astype(jnp.int32)  # live first, in order
+        owner = jnp.zeros(nb, jnp.int32).at[filling].set(blocks)
+        taken = jnp.zeros(nb, bool).at[filling].set(positions < jnp.sum(block_live))
+        per_share = jnp.zeros(shares, jnp.int32).at[share].add(taken.astype(jnp.int32))
+        last = owner[share * share_size + jnp.maximum(per_share[share] - 1, 0)]
+        reads = jnp.where(taken, owner, last)
+        return cls(jnp.where(taken, owner, jnp.bitwise_not(last)), reads,
+                   jnp.where(taken, 0, nv - 1).astype(jnp.int32), owner)
+
+
+def _blocks_live(live: jax.Array, block_b: int) -> jax.Array:
+    """Whether each block of ``block_b`` rows holds a row of the bool mask ``live [N]`` (rows past ``N`` are dead)."""
+    nb = pl.cdiv(live.shape[0], block_b)
+    padded = jnp.pad(live.astype(bool), (0, nb * block_b - live.shape[0]))
+    return jnp.any(padded.reshape(nb, block_b), axis=1)
+
+
+def _walked(specs: list[pl.BlockSpec], *, reads: bool, heads: tuple[int, ...] = ()) -> list[pl.BlockSpec]:
+    """``specs`` over ``(position, vocab block)`` as index maps that take the :class:`StatsWalk` refs: an operand's
+    (``reads``) the token block a position reads, or for the ``heads`` (indices into ``specs``: blocks of the vocab
+    axis only) a vocab block at least the position's floor (a dead one keeps the last); an output's the position's
+    own block. Each map reads one scalar."""
+
+    def mapped(index_map, head: bool):
+        def index(i, j, walk_ref, reads_ref, floor_ref, owner_ref):
+            del walk_ref
+            if not reads:
+                return index_map(owner_ref[i], j)
+            if head:
+                return index_map(i, jnp.maximum(j, floor_ref[i]))
+            return index_map(reads_ref[i], j)
+
+        return index
+
+    return [dataclasses.replace(spec, index_map=mapped(spec.index_map, k in heads)) for k, spec in enumerate(specs)]
+
+    return [dataclasses.replace(spec, index_map=mapped(spec.index_map)) for spec in specs]
+
+
+# ---------------------------------------------------------------------------------------------
 # The statistics kernel.
 
 
@@ -224,11 +295,14 @@ def _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg: PairConfig,
 
 
 def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, div_ref, student_ref,
-                  div_acc, student_acc, *, cfg: PairConfig):
-    """The sums' parts over this call's columns, the whole rows' lses given (summed per lane, then per row)."""
+                  div_acc, student_acc, *, cfg: PairConfig, block, live):
+    """The sums' parts over this call's columns, the whole rows' lses given (summed per lane, then per row).
+    ``block``, ``live``: the token block this position takes and whether it holds a live row
+    (:func:`_stats_body`)."""
+    del block
     j = pl.program_id(1)
 
-    @pl.when(j == 0)
+    @pl.when(common.both(j == 0, live))
     def _():
         div_acc[...] = jnp.zeros_like(div_acc)
         student_acc[...] = jnp.zeros_like(student_acc)
@@ -240,60 +314,85 @@ def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, d
         if student is not None:
             student_acc[...] += student
 
-    _per_block(j, cfg, step)
+    common.when_live(live, lambda: _per_block(j, cfg, step))
 
-    @pl.when(j == cfg.nv - 1)
+    @pl.when(common.both(j == cfg.nv - 1, live))
     def _():
         div_ref[...] = _rows(div_acc[...])
         student_ref[...] = _rows(student_acc[...])
 
 
-def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, div_ref, m_a, z_a, m_b,
-                   z_b, s_acc, *, cfg: PairConfig, with_divergence: bool):
-    """Both lses by an online logsumexp and, ``with_divergence`` (a KL), its running sum: each lane of a row keeps
-    its own running max and sums (``[rows, 128]``), the lanes combined at the row's last block."""
+def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, div_ref, m_a, m_b, z_a, z_b,
+                   s_acc, redo_ref, *, cfg: PairConfig, with_divergence: bool, block, live):
+    """Both lses by an online logsumexp and, ``with_divergence`` (a KL), its running sum, per lane (``[rows, 128]``,
+    the lanes combined at the row's last block).
+
+    Each lane keeps a reference ``m`` (a running max as of its last exact step) and its sums against it. A row's
+    first vocab block is taken exactly (the references moved up to each lane's max, the sums rescaled); every later
+    block is streamed: its exps are taken against the references as they stand, with no max and no rescale (the
+    element's vector work that v6e's MXU would otherwise wait on). A streamed step whose sums pass
+    :data:`ce_pallas_tpu.tile_stats.OVERFLOW_SUM` (a logit ~30 nats above its lane's reference) is redone exactly
+    from the state before it: the sums sit in two slots, the step reading one and writing the other. The
+    references are written by exact steps only. ``block``, ``live``: as for :func:`_given_kernel`."""
     j = pl.program_id(1)
+    previous, current = (j + 1) % 2, j % 2
     forward = cfg.spec.divergence == "forward_kl"
+    sums = (z_a, z_b, s_acc)
 
-    @pl.when(j == 0)
-    def _():
-        for ref in (m_a, m_b):
-            ref[...] = jnp.full(ref.shape, MASKED_LOGIT, jnp.float32)
-        for ref in (z_a, z_b, s_acc):
-            ref[...] = jnp.zeros_like(ref)
+    def divergence_terms(exps_a, exps_b, groups_a, groups_b) -> list[jax.Array]:
+        """Each group's terms of the KL's running sum (a masked column has ``a == b`` and adds nothing)."""
+        if forward:
+            return [e * (gb - ga) for e, ga, gb in zip(exps_b, groups_a, groups_b, strict=True)]
+        return [e * (ga - gb) for e, ga, gb in zip(exps_a, groups_a, groups_b, strict=True)]
 
-    def update(m: jax.Array, z: jax.Array, groups: list[jax.Array]) -> tuple[jax.Array, jax.Array, list[jax.Array],
-                                                                           jax.Array]:
-        """One lane-wise online logsumexp step over a tile's 128-column groups: the new max and sum, each group's
-        exps against its lanes' new max and the old sum's rescale. A lane that has seen only masked columns sums
-        their count at the masked logit, which the combine weighs by 0."""
-        new_max = functools.reduce(jnp.maximum, groups, m)
-        rescale = jnp.exp(m - new_max)
-        exps = [jnp.exp(group - new_max) for group in groups]
-        return new_max, functools.reduce(jnp.add, exps, z * rescale), exps, rescale
+    def streamed(masked: bool) -> None:
+        groups_a, groups_b = map(_groups, _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked))
+        ma, mb = m_a[...], m_b[...]
+        exps_a = [jnp.exp(group - ma) for group in groups_a]
+        exps_b = [jnp.exp(group - mb) for group in groups_b]
+        za = functools.reduce(jnp.add, exps_a, z_a[previous])
+        zb = functools.reduce(jnp.add, exps_b, z_b[previous])
+        z_a[current], z_b[current] = za, zb
+        if with_divergence:
+            s_acc[current] = functools.reduce(jnp.add, divergence_terms(exps_a, exps_b, groups_a, groups_b),
+                                              s_acc[previous])
+        largest = jnp.maximum(za, zb)
+        if cfg.n % cfg.block_b:  # a ragged token block's garbage rows never ask for a redo
+            rows_left = cfg.n - block * cfg.block_b
+            largest = jnp.where(jax.lax.broadcasted_iota(jnp.int32, largest.shape, 0) < rows_left, largest, 0.0)
+        redo_ref[0] = tile_stats.overflowed(largest, interpreted=bool(cfg.interpret)).astype(jnp.int32)
 
-    def step(masked: bool) -> None:
-        a, b = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked)
-        groups_a, groups_b = _groups(a), _groups(b)
-        ma, za, exps_a, rescale_a = update(m_a[...], z_a[...], groups_a)
-        mb, zb, exps_b, rescale_b = update(m_b[...], z_b[...], groups_b)
-        if with_divergence:  # each masked column has a == b (both MASKED_LOGIT) and adds nothing
-            if forward:
-                terms = [e * (gb - ga) for e, ga, gb in zip(exps_b, groups_a, groups_b, strict=True)]
-                s_acc[...] = functools.reduce(jnp.add, terms, s_acc[...] * rescale_b)
-            else:
-                terms = [e * (ga - gb) for e, ga, gb in zip(exps_a, groups_a, groups_b, strict=True)]
-                s_acc[...] = functools.reduce(jnp.add, terms, s_acc[...] * rescale_a)
-        m_a[...], z_a[...], m_b[...], z_b[...] = ma, za, mb, zb
+    def exact(masked: bool) -> None:
+        """The lanes' references moved up to their max over this block, the sums rescaled; the state before the
+        block read from the previous slot (a row's first block: the initial one). A lane that has seen only
+        masked columns sums their count at the masked logit, which the combine weighs by 0."""
+        groups_a, groups_b = map(_groups, _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked))
+        first = j == 0
+        ma = jnp.where(first, MASKED_LOGIT, m_a[...])
+        mb = jnp.where(first, MASKED_LOGIT, m_b[...])
+        za, zb, s = (jnp.where(first, 0.0, ref[previous]) for ref in sums)
+        new_a = functools.reduce(jnp.maximum, groups_a, ma)
+        new_b = functools.reduce(jnp.maximum, groups_b, mb)
+        rescale_a, rescale_b = jnp.exp(ma - new_a), jnp.exp(mb - new_b)
+        exps_a = [jnp.exp(group - new_a) for group in groups_a]
+        exps_b = [jnp.exp(group - new_b) for group in groups_b]
+        m_a[...], m_b[...] = new_a, new_b
+        z_a[current] = functools.reduce(jnp.add, exps_a, za * rescale_a)
+        z_b[current] = functools.reduce(jnp.add, exps_b, zb * rescale_b)
+        if with_divergence:
+            s_acc[current] = functools.reduce(jnp.add, divergence_terms(exps_a, exps_b, groups_a, groups_b),
+                                              s * (rescale_b if forward else rescale_a))
 
-    _per_block(j, cfg, step)
+    redo_ref[0] = common.both(j == 0, live).astype(jnp.int32)
+    pl.when(common.both(j > 0, live))(lambda: _per_block(j, cfg, streamed))
+    pl.when(redo_ref[0] != 0)(lambda: _per_block(j, cfg, exact))
 
-    @pl.when(j == cfg.nv - 1)
+    @pl.when(common.both(j == cfg.nv - 1, live))
     def _():
         def lse_and_share(m_ref, z_ref) -> tuple[jax.Array, jax.Array, jax.Array]:
             row_max = jnp.max(m_ref[...], axis=1, keepdims=True)
             share = jnp.exp(m_ref[...] - row_max)
-            total = _rows(z_ref[...] * share)
+            total = _rows(z_ref[current] * share)
             return row_max + jnp.log(total), share, total
 
         lse_a, share_a, total_a = lse_and_share(m_a, z_a)
@@ -303,9 +402,9 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
         if not with_divergence:
             div_ref[...] = jnp.zeros_like(lse_a)
         elif forward:
-            div_ref[...] = _rows(s_acc[...] * share_b) / total_b - lse_b + lse_a
+            div_ref[...] = _rows(s_acc[current] * share_b) / total_b - lse_b + lse_a
         else:
-            div_ref[...] = _rows(s_acc[...] * share_a) / total_a - lse_a + lse_b
+            div_ref[...] = _rows(s_acc[current] * share_a) / total_a - lse_a + lse_b
 
 
 def _head_spec(hp: int, block_v: int, layout: str, index) -> pl.BlockSpec:
@@ -315,12 +414,27 @@ def _head_spec(hp: int, block_v: int, layout: str, index) -> pl.BlockSpec:
     return pl.BlockSpec((block_v, hp), lambda *grid: (index(*grid), 0))
 
 
+def _stats_body(kernel, walking: bool):
+    """``kernel(*refs, block=, live=)`` as a Pallas body: the token block of this position and whether it is live,
+    from the :class:`StatsWalk` refs that come first when ``walking`` (else the position's own block, live)."""
+
+    def body(*refs):
+        if not walking:
+            return kernel(*refs, block=pl.program_id(0), live=True)
+        block, live = common.token_block(pl.program_id(0), refs[0])
+        return kernel(*refs[4:], block=block, live=live)
+
+    return body
+
+
 def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scale: jax.Array, cfg: PairConfig,
-                    mode: str, lse: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, ...]:
+                    mode: str, lse: tuple[jax.Array, jax.Array] | None = None,
+                    walk: StatsWalk | None = None) -> tuple[jax.Array, ...]:
     """``(lse_a, lse_b, divergence)`` (``mode`` ``"online"``; ``"lses"``: the divergence 0) or ``(divergence,
     student_term)`` (``"given"``, with the whole rows' ``lse``), each float32 ``[N, 1]``. ``scale``: float32 ``[N, 1]``
     (the row scale). Every row's statistics are those of its own hidden states (a dead row's are replaced by
-    :func:`pair_row_stats`)."""
+    :func:`pair_row_stats`). With ``walk`` the token blocks without a live row are skipped (their rows' outputs are
+    garbage)."""
     if mode not in MODES:
         raise ValueError(f"pair_stats_call: mode must be one of {MODES}, got {mode!r}")
     if (mode == "given") != (lse is not None):
@@ -338,16 +452,26 @@ def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scal
         in_specs += [row_spec, row_spec]
         inputs += [lse[0].reshape(-1, 1), lse[1].reshape(-1, 1)]
     outputs = 2 if mode == "given" else 3
-    scratch_count = 2 if mode == "given" else 5
+    lanes = pltpu.VMEM((cfg.block_b, LANES), jnp.float32)
+    scratch = ([lanes] * 2 if mode == "given"  # the sums
+               else [lanes] * 2 + [pltpu.VMEM((2, cfg.block_b, LANES), jnp.float32)] * 3  # references; sums, 2 slots
+               + [pltpu.SMEM((1,), jnp.int32)])  # whether this step is (re)done exactly
+    out_specs = [row_spec] * outputs
+    kernel = (functools.partial(_given_kernel, cfg=cfg) if mode == "given"
+              else functools.partial(_online_kernel, cfg=cfg, with_divergence=mode == "online"))
+    grid: dict[str, Any]
+    if walk is None:
+        grid = {"grid": (cfg.nb, cfg.nv), "in_specs": in_specs, "out_specs": out_specs, "scratch_shapes": scratch}
+    else:
+        inputs = [*walk, *inputs]
+        grid = {"grid_spec": pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=(cfg.nb, cfg.nv), in_specs=_walked(in_specs, reads=True, heads=(1, 3)),
+            out_specs=_walked(out_specs, reads=False), scratch_shapes=scratch)}
     axes, inputs = common.per_device_operands(inputs, cfg.interpret)
     return pl.pallas_call(
-        (functools.partial(_given_kernel, cfg=cfg) if mode == "given"
-         else functools.partial(_online_kernel, cfg=cfg, with_divergence=mode == "online")),
-        grid=(cfg.nb, cfg.nv),
-        in_specs=in_specs,
-        out_specs=[row_spec] * outputs,
+        _stats_body(kernel, walk is not None),
+        **grid,
         out_shape=[common.out_type((cfg.n, 1), jnp.float32, axes)] * outputs,
-        scratch_shapes=[pltpu.VMEM((cfg.block_b, LANES), jnp.float32)] * scratch_count,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         interpret=cfg.interpret,
@@ -520,10 +644,21 @@ def pair_row_stats(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, spec:
     """:class:`ce_core.extend.PairStats` of every row (contract version 5; dead rows' statistics are those of
     zero hidden states): one pass for a KL, two for the JSD, one with the whole rows' ``lse`` given."""
     n, vocab = x.shape[0], _vocab(w, spec.w_layout)
-    cfg, _ = make_configs(n, x.shape[1], u.shape[1], vocab, (x.dtype, w.dtype, u.dtype, v.dtype), spec,
-                          current_target())
+    target = current_target()
+    cfg, _ = make_configs(n, x.shape[1], u.shape[1], vocab, (x.dtype, w.dtype, u.dtype, v.dtype), spec, target)
     scale = _column(row_scale, n, 1.0)
     alive = jnp.ones((n,), bool) if live is None else live.reshape(n).astype(bool)
+    call = pair_stats_call
+    if live is not None:
+        # Token blocks without a live row are skipped (their rows are replaced below, whatever the kernel left
+        # there), by a kernel that walks the live ones; where every block is live, the plain kernel runs instead (the
+        # walk's index maps and guards cost 1-1.5% of a step in libtpu's static schedule).
+        walk = StatsWalk.of(alive, cfg.block_b, target.num_cores, cfg.nv)
+        every_block_live = jnp.all(_blocks_live(alive, cfg.block_b))
+
+        def call(*args, **options):
+            return jax.lax.cond(every_block_live, functools.partial(pair_stats_call, *args, **options),
+                                functools.partial(pair_stats_call, *args, walk=walk, **options))
     # A dead row's statistics are those of zero hidden states: every logit 0 in both heads, so each lse is
     # log V and every divergence term 0 (computed rows are replaced, whatever their hidden states hold).
     zero_lse = jnp.float32(math.log(vocab))
@@ -531,12 +666,12 @@ def pair_row_stats(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, spec:
     dead_zero = lambda column: jnp.where(alive, column.reshape(n), 0.0)  # noqa: E731
     jsd = spec.divergence == "jsd"
     if lse is None and not jsd:
-        lse_a, lse_b, divergence = pair_stats_call(x, w, u, v, scale, cfg, "online")
+        lse_a, lse_b, divergence = call(x, w, u, v, scale, cfg, "online")
         return PairStats(dead_lse(lse_a), dead_lse(lse_b), dead_zero(divergence))
     if lse is None:
-        lse_a, lse_b, _ = pair_stats_call(x, w, u, v, scale, cfg, "lses")
+        lse_a, lse_b, _ = call(x, w, u, v, scale, cfg, "lses")
         lse = (dead_lse(lse_a), dead_lse(lse_b))
-    divergence, student = pair_stats_call(x, w, u, v, scale, cfg, "given", lse=lse)
+    divergence, student = call(x, w, u, v, scale, cfg, "given", lse=lse)
     return PairStats(lse[0], lse[1], dead_zero(divergence), dead_zero(student) if jsd else None)
 
 
@@ -544,7 +679,8 @@ def pair_grads(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, stats, g:
                row_scale: jax.Array, live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``dx`` and ``dw`` of ``sum(g * divergence)`` given the whole rows' statistics: the gradient kernel over
     chunks of rows (the last one moved back to end at ``N``; its rows an earlier chunk took get ``g = 0`` and
-    keep that chunk's ``dx``), ``dw`` summed in float32 across them."""
+    keep that chunk's ``dx``), ``dw`` summed in float32 across them. Given ``live``, only the chunks that own a
+    live row are called (a loop over their list; a dead chunk's ``dx`` rows stay 0)."""
     n, vocab = x.shape[0], _vocab(w, spec.w_layout)
     if n == 0:
         return jnp.zeros_like(x), jnp.zeros_like(w)
@@ -572,7 +708,11 @@ def pair_grads(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, stats, g:
     padded = (cfg.hsp, cfg.nv * cfg.block_v)
     padded = padded if spec.w_layout == "hv" else padded[::-1]
     initial = vary_like((jnp.zeros_like(x), jnp.zeros(padded, jnp.float32)), x, w, u, v, *columns.values())
-    dx, dw = jax.lax.fori_loop(0, chunks, step, initial)
+    if live is None:
+        dx, dw = jax.lax.fori_loop(0, chunks, step, initial)
+    else:
+        walk = common.LiveBlocks.of(live.reshape(n).astype(bool), chunk)  # chunk k owns rows [k chunk, (k+1) chunk)
+        dx, dw = jax.lax.fori_loop(0, walk.n_live[0], lambda k, carry: step(walk.walk[k], carry), initial)
     return dx, dw[: w.shape[0], : w.shape[1]].astype(w.dtype)
 
 
