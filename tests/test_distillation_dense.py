@@ -398,6 +398,7 @@ def pallas_interpreter(monkeypatch):
 
     monkeypatch.setenv("CE_PALLAS_TPU_INTERPRET", "1")
     monkeypatch.setattr(pair, "BLOCKS", (16, 32, 256))  # two 128-column slices a statistics step
+    monkeypatch.setattr(pair, "STREAMED_STATS", ("v5p",))  # both statistics updates: exact on v5e, streamed on v5p
     jax.clear_caches()
     yield lambda target: monkeypatch.setenv("CE_PALLAS_TPU_TARGET", target)
     from jax.experimental.pallas import tpu as pltpu
@@ -465,7 +466,7 @@ def test_pallas_tpu_pair_statistics_redo_a_streamed_step_whose_sums_overflow(pal
     counted blocks)."""
     from ce_core.extend import PairSpec
 
-    pallas_interpreter("v5e")
+    pallas_interpreter("v5p")  # streamed (the fixture)
     pallas, reference = ce_core.get_backend("pallas_tpu"), ce_core.get_backend("reference")
     x, _, w = random_problem(37, (40,), 40, 700)
     teacher_x, teacher_w = teacher(38, (40,), 72, 700)

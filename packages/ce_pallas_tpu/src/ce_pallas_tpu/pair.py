@@ -75,6 +75,7 @@ class PairConfig(common.GridCounts):
     precision: str  # "default" (bf16 MXU passes), "high" or "highest"
     interpret: object  # False, or pltpu.InterpretParams
     vmem_limit_bytes: int | None
+    streamed: bool = False  # the statistics kernel streams a row's later vocab blocks (:data:`STREAMED_STATS`)
 
     @property
     def hsp(self) -> int:
@@ -328,9 +329,10 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
     the lanes combined at the row's last block).
 
     Each lane keeps a reference ``m`` (a running max as of its last exact step) and its sums against it. A row's
-    first vocab block is taken exactly (the references moved up to each lane's max, the sums rescaled); every later
-    block is streamed: its exps are taken against the references as they stand, with no max and no rescale (the
-    element's vector work that v6e's MXU would otherwise wait on). A streamed step whose sums pass
+    first vocab block is taken exactly (the references moved up to each lane's max, the sums rescaled); with
+    ``cfg.streamed`` every later block is streamed: its exps are taken against the references as they stand, with
+    no max and no rescale (the element's vector work that v6e's MXU would otherwise wait on), else taken exactly
+    too. A streamed step whose sums pass
     :data:`ce_pallas_tpu.tile_stats.OVERFLOW_SUM` (a logit ~30 nats above its lane's reference) is redone exactly
     from the state before it: the sums sit in two slots, the step reading one and writing the other. The
     references are written by exact steps only. ``block``, ``live``: as for :func:`_given_kernel`."""
@@ -364,13 +366,11 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
 
     def exact(masked: bool) -> None:
         """The lanes' references moved up to their max over this block, the sums rescaled; the state before the
-        block read from the previous slot (a row's first block: the initial one). A lane that has seen only
-        masked columns sums their count at the masked logit, which the combine weighs by 0."""
+        block read from the previous slot. A lane that has seen only masked columns sums their count at the masked
+        logit, which the combine weighs by 0."""
         groups_a, groups_b = map(_groups, _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked))
-        first = j == 0
-        ma = jnp.where(first, MASKED_LOGIT, m_a[...])
-        mb = jnp.where(first, MASKED_LOGIT, m_b[...])
-        za, zb, s = (jnp.where(first, 0.0, ref[previous]) for ref in sums)
+        ma, mb = m_a[...], m_b[...]
+        za, zb, s = (ref[previous] for ref in sums)
         new_a = functools.reduce(jnp.maximum, groups_a, ma)
         new_b = functools.reduce(jnp.maximum, groups_b, mb)
         rescale_a, rescale_b = jnp.exp(ma - new_a), jnp.exp(mb - new_b)
@@ -383,9 +383,19 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
             s_acc[current] = functools.reduce(jnp.add, divergence_terms(exps_a, exps_b, groups_a, groups_b),
                                               s * (rescale_b if forward else rescale_a))
 
-    redo_ref[0] = common.both(j == 0, live).astype(jnp.int32)
-    pl.when(common.both(j > 0, live))(lambda: _per_block(j, cfg, streamed))
-    pl.when(redo_ref[0] != 0)(lambda: _per_block(j, cfg, exact))
+    @pl.when(common.both(j == 0, live))
+    def _():  # the state before a row's first block
+        for ref in (m_a, m_b):
+            ref[...] = jnp.full(ref.shape, MASKED_LOGIT, jnp.float32)
+        for ref in sums:
+            ref[previous] = jnp.zeros(ref.shape[1:], jnp.float32)
+
+    if cfg.streamed:
+        redo_ref[0] = common.both(j == 0, live).astype(jnp.int32)
+        pl.when(common.both(j > 0, live))(lambda: _per_block(j, cfg, streamed))
+        pl.when(redo_ref[0] != 0)(lambda: _per_block(j, cfg, exact))
+    else:
+        common.when_live(live, lambda: _per_block(j, cfg, exact))
 
     @pl.when(common.both(j == cfg.nv - 1, live))
     def _():
@@ -591,6 +601,11 @@ CHUNK_ROWS, VOCAB_COLUMNS = 1024, 512
 #: ``tools/schedule_pair.py``: a KL's pass at Qwen3-8B -> 0.6B went 1.27 -> 1.19 of its MXU minimum from 512 to
 #: 1,024 square; v5e and v5p are at 1.04 with 512).
 STATS_TILES = {"default": (512, 512), "v6e": (1024, 1024)}
+#: The generations whose statistics kernel streams a row's later vocab blocks (:func:`_online_kernel`). In libtpu's
+#: static schedule it takes v6e's KL pass at Qwen3-8B -> 0.6B from 1.19 to 1.09 of its MXU minimum and the JSD's
+#: lses pass from 1.13 to 1.05; on v5e and v5p, whose MXU leaves the element's vector work hidden, the step's
+#: overflow check costs more than it saves (their lses pass 1.02 -> 1.03).
+STREAMED_STATS = ("v6e",)
 #: Rows and columns are multiples of these (a bf16 block's rows fill whole packed sublanes).
 ROW_ALIGN = 16
 
@@ -627,8 +642,10 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
     block_v, stats_v = min(block_v, round_up(v, LANES)), min(stats_v, round_up(v, LANES))
     cores = active_cores(target.num_cores, pl.cdiv(v, block_v))
     stats = PairConfig(n=n, hs=hs, ht=ht, v=v, block_b=stats_rows, block_v=stats_v, num_cores=1, spec=spec,
-                       precision=precision, interpret=interpret, vmem_limit_bytes=limit)
-    return stats, dataclasses.replace(stats, n=chunk, block_b=chunk, block_v=block_v, num_cores=cores)
+                       precision=precision, interpret=interpret, vmem_limit_bytes=limit,
+                       streamed=target.generation in STREAMED_STATS)
+    return stats, dataclasses.replace(stats, n=chunk, block_b=chunk, block_v=block_v, num_cores=cores,
+                                      streamed=False)
 
 
 def _column(values: jax.Array | None, n: int, fill: float = 0.0) -> jax.Array:
