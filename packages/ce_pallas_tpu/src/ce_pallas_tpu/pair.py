@@ -337,7 +337,9 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
     from the state before it: the sums sit in two slots, the step reading one and writing the other. The
     references are written by exact steps only. ``block``, ``live``: as for :func:`_given_kernel`."""
     j = pl.program_id(1)
-    previous, current = (j + 1) % 2, j % 2
+    # A streamed step's redo needs the state before it: two slots, read one and write the other. Taken exactly,
+    # every step reads and writes one (a fixed address: the slot's index is not computed a step).
+    previous, current = ((j + 1) % 2, j % 2) if cfg.streamed else (0, 0)
     forward = cfg.spec.divergence == "forward_kl"
     sums = (z_a, z_b, s_acc)
 
@@ -464,7 +466,8 @@ def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scal
     outputs = 2 if mode == "given" else 3
     lanes = pltpu.VMEM((cfg.block_b, LANES), jnp.float32)
     scratch = ([lanes] * 2 if mode == "given"  # the sums
-               else [lanes] * 2 + [pltpu.VMEM((2, cfg.block_b, LANES), jnp.float32)] * 3  # references; sums, 2 slots
+               else [lanes] * 2  # references
+               + [pltpu.VMEM((2 if cfg.streamed else 1, cfg.block_b, LANES), jnp.float32)] * 3  # sums (slots)
                + [pltpu.SMEM((1,), jnp.int32)])  # whether this step is (re)done exactly
     out_specs = [row_spec] * outputs
     kernel = (functools.partial(_given_kernel, cfg=cfg) if mode == "given"
