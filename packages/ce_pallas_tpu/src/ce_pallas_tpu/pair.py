@@ -265,8 +265,6 @@ def _walked(specs: list[pl.BlockSpec], *, reads: bool, heads: tuple[int, ...] = 
 
     return [dataclasses.replace(spec, index_map=mapped(spec.index_map, k in heads)) for k, spec in enumerate(specs)]
 
-    return [dataclasses.replace(spec, index_map=mapped(spec.index_map)) for spec in specs]
-
 
 # ---------------------------------------------------------------------------------------------
 # The statistics kernel.
