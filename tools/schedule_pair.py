@@ -46,12 +46,14 @@ GRAD_ROWS = ("scale", "live", "lse", "teacher_lse", "divergence", "student_term"
 def _stats_program(x, w, u, v, scale, *lses, cfg, mode: str, walk_shares: int | None):
     import jax.numpy as jnp
 
-    from ce_pallas_tpu import pair
+    from ce_pallas_tpu import common, pair
 
     # ``walk_shares``: the grid walks the token blocks holding a counted token (every one here), as it does for a
     # call with labels (ce_core then hands the backend which tokens count).
     live = jnp.ones((cfg.n,), bool)
-    walk = None if walk_shares is None else pair.StatsWalk.of(live, cfg.block_b, walk_shares, cfg.nv)
+    walk = None
+    if walk_shares is not None:
+        walk = pair.StatsWalk.of(common.blocks_live(live, cfg.block_b), walk_shares, cfg.nv)
     if mode == "given":
         return pair.pair_stats_call(x, w, u, v, scale, cfg, mode, lse=(lses[0][:, 0], lses[1][:, 0]), walk=walk)
     return pair.pair_stats_call(x, w, u, v, scale, cfg, mode, walk=walk)

@@ -197,15 +197,22 @@ class LiveBlocks(NamedTuple):
     @classmethod
     def of(cls, live: jax.Array, block_b: int) -> LiveBlocks:
         """The live blocks of ``block_b`` rows of the bool mask ``live [N]`` (rows past ``N`` are dead)."""
-        n = live.shape[0]
-        blocks = pl.cdiv(n, block_b)
-        padded = jnp.pad(live.astype(bool), (0, blocks * block_b - n))
-        block_live = jnp.any(padded.reshape(blocks, block_b), axis=1)
+        block_live = blocks_live(live, block_b)
+        blocks = block_live.shape[0]
         ids = jnp.argsort(jnp.logical_not(block_live), stable=True).astype(jnp.int32)
         count = jnp.sum(block_live, dtype=jnp.int32)
         positions = jnp.arange(blocks, dtype=jnp.int32)
         last = ids[jnp.maximum(count, 1) - 1]
         return cls(jnp.where(positions < count, ids, jnp.bitwise_not(last)), count.reshape(1))
+
+
+def blocks_live(live: jax.Array, block_b: int) -> jax.Array:
+    """Whether each block of ``block_b`` rows holds a row of the bool mask ``live [N]`` (rows past ``N`` are
+    dead): bool ``[cdiv(N, block_b)]``."""
+    n = live.shape[0]
+    blocks = pl.cdiv(n, block_b)
+    padded = jnp.pad(live.astype(bool), (0, blocks * block_b - n))
+    return jnp.any(padded.reshape(blocks, block_b), axis=1)
 
 
 def token_block(position, walk_ref) -> tuple[jax.Array, jax.Array]:

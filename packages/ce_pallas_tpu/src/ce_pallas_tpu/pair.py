@@ -219,10 +219,10 @@ class StatsWalk(NamedTuple):
     owner: jax.Array
 
     @classmethod
-    def of(cls, live: jax.Array, block_b: int, shares: int, nv: int) -> StatsWalk:
-        """The walk of the bool mask ``live [N]`` in blocks of ``block_b`` rows over ``shares`` contiguous shares of
-        the positions (one per TensorCore that splits a ``"parallel"`` axis), ``nv`` vocab blocks a row."""
-        block_live = _blocks_live(live, block_b)
+    def of(cls, block_live: jax.Array, shares: int, nv: int) -> StatsWalk:
+        """The walk of the token blocks whose bool ``block_live [nb]`` holds (:func:`common.blocks_live`) over
+        ``shares`` contiguous shares of the positions (one per TensorCore that splits a ``"parallel"`` axis), ``nv``
+        vocab blocks a row."""
         nb = block_live.shape[0]
         share_size = pl.cdiv(nb, shares)
         positions = jnp.arange(nb, dtype=jnp.int32)
@@ -237,13 +237,6 @@ class StatsWalk(NamedTuple):
         reads = jnp.where(taken, owner, last)
         return cls(jnp.where(taken, owner, jnp.bitwise_not(last)), reads,
                    jnp.where(taken, 0, nv - 1).astype(jnp.int32), owner)
-
-
-def _blocks_live(live: jax.Array, block_b: int) -> jax.Array:
-    """Whether each block of ``block_b`` rows holds a row of the bool mask ``live [N]`` (rows past ``N`` are dead)."""
-    nb = pl.cdiv(live.shape[0], block_b)
-    padded = jnp.pad(live.astype(bool), (0, nb * block_b - live.shape[0]))
-    return jnp.any(padded.reshape(nb, block_b), axis=1)
 
 
 def _walked(specs: list[pl.BlockSpec], *, reads: bool, heads: tuple[int, ...] = ()) -> list[pl.BlockSpec]:
@@ -322,7 +315,7 @@ def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, d
 
 
 def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, div_ref, m_a, m_b, z_a, z_b,
-                   s_acc, redo_ref, *, cfg: PairConfig, with_divergence: bool, block, live):
+                   s_acc, redo_ref=None, *, cfg: PairConfig, with_divergence: bool, block, live):
     """Both lses by an online logsumexp and, ``with_divergence`` (a KL), its running sum, per lane (``[rows, 128]``,
     the lanes combined at the row's last block).
 
@@ -333,7 +326,8 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
     too. A streamed step whose sums pass
     :data:`ce_pallas_tpu.tile_stats.OVERFLOW_SUM` (a logit ~30 nats above its lane's reference) is redone exactly
     from the state before it: the sums sit in two slots, the step reading one and writing the other. The
-    references are written by exact steps only. ``block``, ``live``: as for :func:`_given_kernel`."""
+    references are written by exact steps only; ``redo_ref`` (SMEM, streamed only) says whether a step is (re)done
+    exactly. ``block``, ``live``: as for :func:`_given_kernel`."""
     j = pl.program_id(1)
     # A streamed step's redo needs the state before it: two slots, read one and write the other. Taken exactly,
     # every step reads and writes one (a fixed address: the slot's index is not computed a step).
@@ -348,6 +342,7 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
         return [e * (ga - gb) for e, ga, gb in zip(exps_a, groups_a, groups_b, strict=True)]
 
     def streamed(masked: bool) -> None:
+        assert redo_ref is not None
         groups_a, groups_b = map(_groups, _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked))
         ma, mb = m_a[...], m_b[...]
         exps_a = [jnp.exp(group - ma) for group in groups_a]
@@ -391,6 +386,7 @@ def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, 
             ref[previous] = jnp.zeros(ref.shape[1:], jnp.float32)
 
     if cfg.streamed:
+        assert redo_ref is not None
         redo_ref[0] = common.both(j == 0, live).astype(jnp.int32)
         pl.when(common.both(j > 0, live))(lambda: _per_block(j, cfg, streamed))
         pl.when(redo_ref[0] != 0)(lambda: _per_block(j, cfg, exact))
@@ -466,7 +462,7 @@ def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scal
     scratch = ([lanes] * 2 if mode == "given"  # the sums
                else [lanes] * 2  # references
                + [pltpu.VMEM((2 if cfg.streamed else 1, cfg.block_b, LANES), jnp.float32)] * 3  # sums (slots)
-               + [pltpu.SMEM((1,), jnp.int32)])  # whether this step is (re)done exactly
+               + [pltpu.SMEM((1,), jnp.int32)] * cfg.streamed)  # whether this step is (re)done exactly
     out_specs = [row_spec] * outputs
     kernel = (functools.partial(_given_kernel, cfg=cfg) if mode == "given"
               else functools.partial(_online_kernel, cfg=cfg, with_divergence=mode == "online"))
@@ -671,8 +667,9 @@ def pair_row_stats(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, spec:
         # Token blocks without a live row are skipped (their rows are replaced below, whatever the kernel left
         # there), by a kernel that walks the live ones; where every block is live, the plain kernel runs instead (the
         # walk's index maps and guards cost 1-1.5% of a step in libtpu's static schedule).
-        walk = StatsWalk.of(alive, cfg.block_b, target.num_cores, cfg.nv)
-        every_block_live = jnp.all(_blocks_live(alive, cfg.block_b))
+        block_live = common.blocks_live(alive, cfg.block_b)
+        walk = StatsWalk.of(block_live, target.num_cores, cfg.nv)
+        every_block_live = jnp.all(block_live)
 
         def call(*args, **options):
             return jax.lax.cond(every_block_live, functools.partial(pair_stats_call, *args, **options),
