@@ -26,8 +26,10 @@ def test_tied_head_on_the_host_needs_no_copy_of_the_table(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_tied_head_for_a_tpu_costs_what_an_untied_one_does(tmp_path: Path) -> None:
-    """Issue 23's bound at a Qwen-like head on v5e: within 5% (or 8 MiB) of untied, and no copy."""
-    records = {r["way"]: r for r in _records(tmp_path, "--target", "v5e", "--shapes", "4096x1536x151936",
+    """The command compiled for v5e: issue 23's bound (within 5%, or 8 MiB, of untied, and no copy) at a head whose
+    transposed copy (32 MB) the check must see. The bound at model heads on every generation is
+    ce_pallas_tpu's test_pallas_tied_memory's (a Qwen-like head here took 138 s of the slow tier until 2026-11-29)."""
+    records = {r["way"]: r for r in _records(tmp_path, "--target", "v5e", "--shapes", "1024x512x32000",
                                              "--implementation", "pallas_tpu")}
     untied, tied = records["untied"]["temp_bytes"], records["vh"]["temp_bytes"]
     assert abs(tied - untied) <= max(0.05 * untied, 8 * 2**20)

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.slow
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 #: The real shapes of the issue: Llama-3 (8k tokens) and Qwen (32k tokens), bf16.
 REAL_SHAPES = [(8192, 4096, 128256), (32768, 2048, 151936)]
+#: The generations whose every tuned entry is compiled with the RL objective (log-probs and the entropy).
+RL_GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 
 
 def hbm_bound(n: int, h: int, v: int) -> int:
@@ -67,6 +69,9 @@ def test_libtpu_is_installed():
     assert importlib.util.find_spec("libtpu") is not None, "libtpu is missing: run `uv sync` (dev group)"
 
 
+# One worker for these and test_pallas_kept_logits's default-path compiles at Llama-3's head: the recompute programs
+# they share are compiled once (the session's compile cache is per process).
+@pytest.mark.xdist_group("llama3_8k_recompute")
 @pytest.mark.parametrize("generation", GENERATIONS)
 @pytest.mark.parametrize("n,h,v", REAL_SHAPES, ids=["llama3-8k", "qwen-32k"])
 def test_real_shapes_compile_with_default_tiles_within_the_hbm_bound(generation, n, h, v):
@@ -82,13 +87,19 @@ def test_real_shapes_compile_with_default_tiles_within_the_hbm_bound(generation,
     assert result.temp_bytes <= backward_grid[0] * 4 * n * h + 64 * n * 128 * 4
 
 
-# The llama3 and huge_batch entries are compiled at the real shapes above.
+# The llama3 and huge_batch entries are compiled at the real shapes above. On the generations the RL objective's
+# test below covers, its compile of each entry is the loss's too: the same tiles (it asserts the entry's, not
+# inferred ones) in the same kernels with more state (the entropy's expected logit, one more backward tile), so a
+# tile that fits it fits the loss; the loss alone is compiled where the RL test does not go (v4). Until 2026-11-29
+# both were compiled everywhere (12 compiles, ~220 s of the slow tier).
 @pytest.mark.parametrize("generation", GENERATIONS)
 @pytest.mark.parametrize("bucket", ["small", "large_vocab", "wide"])
 def test_every_tuned_entry_compiles_on_its_generation(generation, bucket):
     n, h, v = tiling.BUCKET_EXAMPLES[bucket]
     with aot.compiling_for(generation):
         assert tile_report(n, h, v).source == f"table:{generation}/{bucket}"
+    if generation in RL_GENERATIONS:
+        return  # compiled by test_every_tuned_forward_serves_the_rl_objective
     result = aot.compile_loss_and_grads(generation, n, h, v, keep_logits=False)  # the tuned recompute kernels
     assert result.ok and result.temp_bytes is not None and result.temp_bytes <= hbm_bound(n, h, v)
 
@@ -183,7 +194,7 @@ def test_llama3_with_argmax_a_tied_head_and_row_scales_keeps_the_tuned_tiles(gen
     assert result.ok and result.temp_bytes is not None and result.temp_bytes <= default_bound(generation, n, h, v)
 
 
-@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("generation", RL_GENERATIONS)
 @pytest.mark.parametrize("bucket", list(tiling.BUCKET_EXAMPLES))
 def test_every_tuned_forward_serves_the_rl_objective(generation, bucket):
     """The entropy's expected logit adds per-row state to the forward and one float32 tile to the
@@ -230,7 +241,10 @@ def test_tied_heads_that_half_fill_a_256_wide_mxu_compile_with_dw_transposed(gen
     assert result.temp_bytes <= hbm_bound(n, h, v)
 
 
-@pytest.mark.parametrize(("generation", "keep"), [("v5p", False), ("v5p", True), ("v6e", True)])
+# v5p, whose two cores' dx partials and buffer assignment gave the walk its one regression; v6e's kept path with the
+# walk is bounded by test_pallas_kept_logits's default-path compile (its labels make ce_core hand the live tokens).
+# v6e's case here (156 s) was dropped on 2026-11-29, when the slow tier reached its budget.
+@pytest.mark.parametrize(("generation", "keep"), [("v5p", False), ("v5p", True)])
 def test_walking_the_live_blocks_costs_no_temporaries_beyond_token_sized_vectors(generation, keep):
     """Both gradient paths' kernels handed the live tokens (contract version 4) against the same backend told
     none (version 3, every block): the block ids, counts and masks are ``[N]``-sized, and nothing ``[N, H]``
@@ -251,6 +265,6 @@ def test_walking_the_live_blocks_costs_no_temporaries_beyond_token_sized_vectors
         unregister_backend("pallas_tpu_every_block")
     assert walking.ok and every.ok and walking.temp_bytes is not None and every.temp_bytes is not None
     # [N]-sized: 64 bytes a token, and one [rows, 1] float32 column, which TPU's (8, 128) tiles store 128
-    # lanes wide (512 bytes a row; v6e's kept path holds one more [chunk, 1] column). A [chunk, H] float32
+    # lanes wide (512 bytes a row; v6e's kept path held one more [chunk, 1] column). A [chunk, H] float32
     # dx partial would be 8 MB.
     assert walking.temp_bytes <= every.temp_bytes + (64 + 512) * n, (walking.temp_bytes, every.temp_bytes)
