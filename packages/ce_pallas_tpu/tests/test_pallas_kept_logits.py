@@ -8,6 +8,7 @@ the vocab split over them, the last core a block short), in the race-checked int
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -159,6 +160,66 @@ def test_bf16_gradients_are_as_accurate_as_the_recompute_path(interpret, monkeyp
         assert kept <= 1.05 * recomputed + 1e-6, errors
 
 
+@pytest.mark.slow  # 11 s in the race-checked interpreter
+@pytest.mark.parametrize("layout,n,split", [("hv", 600, 2), ("vh", 230, 4)])
+def test_a_hidden_size_in_tiles_matches_the_oracle(interpret, monkeypatch, layout, n, split):
+    """The kept backward's hidden size in tiles (Llama-3 70B's plan on v5p and v6e): each tile walks the
+    core's vocab blocks with its own ``x``, ``dx``, ``w`` and ``dw`` slices, over three chunks (the running
+    ``dw``'s first, middle and last kernels) or one, ragged in N and V, on two cores (the last a block short),
+    race-checked."""
+    interpret("v5p")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 256)
+    monkeypatch.setattr(kept_logits, "HIDDEN_SPLIT", split)
+    h, v = 512, 5000
+    x, labels, w = _problem(19, n, h, v, layout, "float32")
+    plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec(w_layout=layout))
+    assert plan.chunks == (3 if n == 600 else 1) and plan.backward.hidden_split == split
+    assert plan.backward.nv == 3 and plan.backward.num_cores == 2
+    _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=dict(w_layout=layout), weights=None)
+    expected = _oracle(x, labels, w, layout, {}, None, 1.0)
+    assert max_rel_error(dx, expected["dx"]) <= TOLERANCES["float32"][1]
+    assert max_rel_error(dw, expected["dw"]) <= TOLERANCES["float32"][1]
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found
+
+
+def test_a_wide_head_takes_its_hidden_size_in_tiles_only_where_one_would_starve_the_backward():
+    """Llama-3 70B's head (H=8192): whole, v5p's VMEM leaves 256-token chunks (below the ~350 whose float32
+    dw traffic hides) and v6e's 256-column vocab blocks; of two and four hidden tiles the plan takes the
+    one that fits the longest chunk (four: 1024 and 3072 tokens). Heads whose whole plan is not starved
+    (Llama-3 8B, 70B on v5e) and explicit tiles stay whole; a split needs H a whole number of 128-wide
+    tiles."""
+    from ce_pallas_tpu.backward import backward_call
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+    from ce_pallas_tpu.tiling import vmem_budget
+
+    bf16, spec = jnp.bfloat16, StatsSpec()
+    v5e, v5p, v6e = (Target(gen, CHIP_FACTS[gen].num_cores, None) for gen in ("v5e", "v5p", "v6e"))
+    for target, chunk, block_v in ((v5p, 1024, 512), (v6e, 3072, 1024)):
+        plan = kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, spec, target)
+        b = plan.backward
+        assert (b.hidden_split, b.hidden_tile, b.block_h, plan.chunk, b.block_v) == (4, 2048, 2048, chunk, block_v)
+        assert plan.chunk >= kept_logits.hiding_chunk(8192, 2, target)
+        halves = kept_logits._fit_split(plan.chunk, 8192, 128256, bf16, bf16, spec, target, vmem_budget(target), 2,
+                                        False)
+        assert halves[2] < plan.chunk  # two tiles fit a shorter chunk
+        assert plan.running_dw_shape[0] == 8192  # the running dw stays whole: each tile adds its rows
+        kept, recompute = kept_logits.estimated_seconds(plan, bf16, target)  # the logits read once per tile
+        assert kept < 0.9 * recompute  # (v6e: six 3072-token chunks over 16384 tokens, the last overlapping)
+    for target in (v5e, v5p, v6e):
+        assert kept_logits.plan_chunks(16384, 4096, 128256, bf16, bf16, spec, target).backward.hidden_split == 1
+    assert kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, spec, v5e).backward.hidden_split == 1
+    explicit = StatsSpec(block_sizes=BlockSizes(256, None, 256))
+    assert kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, explicit, v5p).backward.hidden_split == 1
+    assert kept_logits.plan_chunks(4096, 8000, 128256, bf16, bf16, spec, v5p).backward.hidden_split == 1  # H % 256
+    wrong = dataclasses.replace(kept_logits.plan_chunks(1024, 200, 300, jnp.float32, jnp.float32, spec, v5p).backward,
+                                hidden_split=2)
+    x, w = jnp.zeros((1024, 200)), jnp.zeros((200, 300))
+    column = jnp.zeros((1024, 1))
+    with pytest.raises(ValueError, match="hidden_split=2"):
+        backward_call(x, w, column.astype(jnp.int32), column, column, column, None, None, None, wrong)
+
+
 def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interpret):
     interpret("v5p")
     from ce_core import StatsSpec
@@ -268,3 +329,26 @@ def test_the_default_compiles_and_holds_only_the_chunk_and_the_float32_dw(genera
     assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
     # Under the float32 logits a materialised step holds alone (4.2 GB; the float32 dw is 2.1 GB of these 3.0).
     assert default.temp_bytes < 4 * n * v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation,h", [("v5p", 8192), ("v6e", 8192), ("tpu7x", 4096)])
+def test_a_wide_heads_kept_path_compiles_in_hidden_tiles(generation, h):
+    """Llama-3 70B's head (Llama-3 8B's on TPU7x, whose VMEM starves even that) split eight ways over the
+    vocabulary (16032 entries a device), bf16, ``keep_logits=True`` over three chunks, compiled for the
+    generation: its backward takes the hidden size in four tiles (strided windows of ``x``, ``w``, the
+    running ``dw`` and the ``dx`` partials), and the program holds the recompute step's buffers plus at
+    most the chunk's logits, the float32 ``dw`` and a bf16 ``dx``."""
+    from ce_pallas_tpu.target import targeting
+    from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
+
+    v, bf16 = 16032, jnp.bfloat16
+    with targeting(generation):
+        n = 3 * kept_logits.plan_chunks(16384, h, v, bf16, bf16, StatsSpec()).chunk
+        plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, StatsSpec())
+    assert plan.backward.hidden_split == 4 and plan.chunks == 3
+    recompute = compile_loss_and_grads(generation, n, h, v, keep_logits=False)
+    kept = compile_loss_and_grads(generation, n, h, v, keep_logits=True)
+    assert recompute.temp_bytes is not None and kept.temp_bytes is not None
+    extra = kept.temp_bytes - recompute.temp_bytes
+    assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)

@@ -85,6 +85,22 @@ class BackwardConfig(common.KernelConfig):
     #: which writes the finished ``dw`` in ``w``'s dtype and exact shape, as the recompute kernel does).
     dw_from_running: bool = True
     dw_to_running: bool = True
+    #: Kept-logits mode: the hidden size taken in this many equal tiles, one after another, each a walk
+    #: over the core's vocab blocks with its own slice of ``x``, ``dx``, ``w`` and ``dw`` in VMEM (the
+    #: kept logits read and ``delta`` formed once per tile). A wide head's chunk-resident ``x`` and ``dx``
+    #: and its ``[Hp, block_v]`` ``dw`` slots then fit VMEM beside larger chunks and vocab blocks
+    #: (:func:`ce_pallas_tpu.kept_logits.plan_chunks`). Needs ``H`` a whole number of 128-wide tiles.
+    hidden_split: int = 1
+
+    @property
+    def hidden_tile(self) -> int:
+        """The hidden entries of one tile (:attr:`hidden_split`): ``Hp`` unsplit."""
+        return self.hp // self.hidden_split
+
+    @property
+    def tile_hidden(self) -> int:
+        """The tile's entries that are real (``H`` unsplit; a split tile has no padding)."""
+        return self.hidden if self.hidden_split == 1 else self.hidden_tile
 
     @property
     def dw_transposed(self) -> bool:
@@ -215,7 +231,7 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, 
     chunk's go out through the recompute kernel's staging buffer in ``w``'s dtype
     (:attr:`BackwardConfig.dw_to_running`). The running sum's DMAs follow the grid's positions, so a dead
     step (:class:`common.LiveBlocks`) still moves ``dw``; only its products and ``dx`` rows are skipped."""
-    core, jj = pl.program_id(0), pl.program_id(1)
+    core, (h, jj) = pl.program_id(0), _hidden_and_vocab_step(pl.program_id(1), cfg)
     i, position = t.block, t.position
     block = core * cfg.nv_per_core + jj
     slot = jj % 2
@@ -229,30 +245,46 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, 
     def step():
         _prepare_resident_x(x_ref, jj, position, cfg)
         _mask_ragged_operands(None, w_ref, i, block, cfg)
-        _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, position, block, cfg)
+        _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, position, block, h, cfg)
         if not cfg.dw_from_running:
             _zero_dw(dw_slots.at[slot], position)
         common.when_live(t.live, work)
         if cfg.dw_to_running:
-            _running_dw_write(dw_hbm, dw_slots, sems, jj, position, block, cfg)
+            _running_dw_write(dw_hbm, dw_slots, sems, jj, position, block, h, cfg)
         else:
             dw_stage, *remainder = staging
             dw_remainder = remainder[0] if remainder else None
-            write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg)
+            write = _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg, h)
             _write_dw(dw_slots.at[slot], dw_stage, dw_remainder, write, position, jj, block, cfg)
 
     if cfg.nv_per_core * cfg.num_cores != cfg.nv:  # the last core may have a block fewer
         pl.when(block < cfg.nv)(step)
     else:
         step()
-    common.when_live(t.live, lambda: _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg))
+    common.when_live(t.live, lambda: _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, h, cfg))
 
 
-def _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, cfg: BackwardConfig, *, read: bool):
-    """The DMA between vocab block ``block`` of the running ``dw`` in HBM and VMEM slot ``slot``."""
+def _hidden_and_vocab_step(j, cfg: BackwardConfig) -> tuple[Any, Any]:
+    """``(hidden tile, vocab step of the core)`` of the grid's second index: the tiles of a split hidden
+    size (:attr:`BackwardConfig.hidden_split`) each walk the core's vocab blocks in turn."""
+    if cfg.hidden_split == 1:
+        return 0, j
+    return j // cfg.nv_per_core, j % cfg.nv_per_core
+
+
+def _hidden_entries(h, cfg: BackwardConfig) -> slice | pl.Slice:
+    """Hidden tile ``h``'s entries of a full-width HBM array (all of them unsplit)."""
+    if cfg.hidden_split == 1:
+        return slice(None)
+    return pl.ds(pl.multiple_of(h * cfg.hidden_tile, cfg.hidden_tile), cfg.hidden_tile)
+
+
+def _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, h, cfg: BackwardConfig, *, read: bool):
+    """The DMA between vocab block ``block`` (hidden tile ``h``) of the running ``dw`` in HBM and VMEM
+    slot ``slot``."""
     first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
-    entries = pl.ds(first, cfg.block_v)
-    window = dw_hbm.at[entries, :] if cfg.w_layout == "vh" else dw_hbm.at[:, entries]
+    entries, hidden = pl.ds(first, cfg.block_v), _hidden_entries(h, cfg)
+    window = dw_hbm.at[entries, hidden] if cfg.w_layout == "vh" else dw_hbm.at[hidden, entries]
     if read:
         return pltpu.make_async_copy(window, dw_slots.at[slot], sems.at[0])
     return pltpu.make_async_copy(dw_slots.at[slot], window, sems.at[2])
@@ -263,7 +295,7 @@ def _core_last_block(jj, block, cfg: BackwardConfig):
     return (jj == cfg.nv_per_core - 1) | (block == cfg.nv - 1)
 
 
-def _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, cfg: BackwardConfig) -> None:
+def _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, h, cfg: BackwardConfig) -> None:
     """Vocab block ``jj`` of a core accumulates in slot ``jj % 2``, which must hold the running ``dw``'s
     block first (unless this is the first chunk, :attr:`BackwardConfig.dw_from_running`): the core's
     first block reads it now; later ones wait for the read started halfway through the block before.
@@ -271,7 +303,7 @@ def _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, cfg: Back
     for (the last chunk stages its tiles synchronously instead), and the next block's read into it started."""
     slot = jj % 2
     if cfg.dw_from_running:
-        this = _running_dw_copy(running_in, dw_slots, sems, block, slot, cfg, read=True)
+        this = _running_dw_copy(running_in, dw_slots, sems, block, slot, h, cfg, read=True)
 
         @pl.when((jj == 0) & (i == 0))
         def _():
@@ -285,19 +317,19 @@ def _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, cfg: Back
 
             @pl.when(jj > 0)
             def _():
-                _running_dw_copy(dw_hbm, dw_slots, sems, block - 1, 1 - slot, cfg, read=False).wait()
+                _running_dw_copy(dw_hbm, dw_slots, sems, block - 1, 1 - slot, h, cfg, read=False).wait()
 
         if cfg.dw_from_running:
 
             @pl.when(jnp.logical_not(_core_last_block(jj, block, cfg)))
             def _():
-                _running_dw_copy(running_in, dw_slots, sems, block + 1, 1 - slot, cfg, read=True).start()
+                _running_dw_copy(running_in, dw_slots, sems, block + 1, 1 - slot, h, cfg, read=True).start()
 
 
-def _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, cfg: BackwardConfig) -> None:
+def _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, h, cfg: BackwardConfig) -> None:
     """After the vocab block's last token block, its slot written back to the running ``dw`` (waited for
     halfway through the next block, or now at the core's last)."""
-    write = _running_dw_copy(dw_hbm, dw_slots, sems, block, jj % 2, cfg, read=False)
+    write = _running_dw_copy(dw_hbm, dw_slots, sems, block, jj % 2, h, cfg, read=False)
 
     @pl.when(i == cfg.nb - 1)
     def _():
@@ -311,8 +343,9 @@ def _token_rows(i, cfg: BackwardConfig) -> pl.Slice:
 
 
 def _prepare_resident_x(x_ref, jj, i, cfg: BackwardConfig) -> None:
-    """Kept-logits mode holds the chunk's ``x`` in VMEM for the whole grid (fetched once per core): its
-    rows past ``N`` and columns past ``H`` are zeroed at the core's first step."""
+    """Kept-logits mode holds the chunk's ``x`` (its hidden tile's columns) in VMEM for the whole grid,
+    fetched once per core and tile: its rows past ``N`` and columns past ``H`` are zeroed at the tile's first
+    step."""
     if cfg.n == cfg.padded_n and cfg.hidden == cfg.hp:
         return
 
@@ -341,10 +374,11 @@ def _dx_resident_step(w_ref, d: jax.Array, dx_rows, jj, cfg: BackwardConfig) -> 
             dx_rows[:, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
 
 
-def _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg: BackwardConfig) -> None:
-    """At the core's last vocab block, each token block's finished dx rows copied to the core's partial."""
+def _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, h, cfg: BackwardConfig) -> None:
+    """At the core's last vocab block, each token block's finished dx rows (of hidden tile ``h``) copied to
+    the core's partial."""
     rows = _token_rows(i, cfg)
-    copy = pltpu.make_async_copy(dx_acc.at[rows], dxp_hbm.at[core, rows], sems.at[1])
+    copy = pltpu.make_async_copy(dx_acc.at[rows], dxp_hbm.at[core, rows, _hidden_entries(h, cfg)], sems.at[1])
 
     @pl.when(jj == cfg.nv_per_core - 1)
     def _():
@@ -354,7 +388,7 @@ def _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, cfg: BackwardConfig) 
 
 def _hidden_chunks(cfg: BackwardConfig) -> list[pl.Slice]:
     """The ``block_h``-row chunks of the hidden dimension in which the dw and dx products are formed."""
-    return [pl.ds(start, cfg.block_h) for start in range(0, cfg.hp, cfg.block_h)]
+    return [pl.ds(start, cfg.block_h) for start in range(0, cfg.hidden_tile, cfg.block_h)]
 
 
 def _dx_rows(dxp_hbm, dx_buf, sems, core, t: _TokenStep, cfg: BackwardConfig) -> _DxRows:
@@ -513,17 +547,17 @@ def _dw_tail_split(cfg: BackwardConfig) -> tuple[int, int]:
     return tail // unit * unit, tail % unit
 
 
-def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig) -> _DwWrite:
-    """The copies of the staged dw tile (``H``, not ``Hp``, hidden entries) to vocab block ``block`` of
-    ``dw`` in HBM; a ragged last block's at static offsets (Mosaic expresses a ragged HBM window only
-    where it ends at the array's end)."""
+def _dw_write(dw_hbm, dw_stage, dw_remainder, sems, block, cfg: BackwardConfig, h=0) -> _DwWrite:
+    """The copies of the staged dw tile (``H``, not ``Hp``, hidden entries; hidden tile ``h``'s of a split
+    one) to vocab block ``block`` of ``dw`` in HBM; a ragged last block's at static offsets (Mosaic
+    expresses a ragged HBM window only where it ends at the array's end)."""
     vh = cfg.w_layout == "vh"
 
-    def window(ref, entries: pl.Slice):
-        return ref.at[entries, :] if vh else ref.at[:, entries]
+    def window(ref, entries: pl.Slice, hidden: slice | pl.Slice = slice(None)):
+        return ref.at[entries, hidden] if vh else ref.at[hidden, entries]
 
     def copy(source, entries: pl.Slice):
-        return pltpu.make_async_copy(source, window(dw_hbm, entries), sems.at[2])
+        return pltpu.make_async_copy(source, window(dw_hbm, entries, _hidden_entries(h, cfg)), sems.at[2])
 
     # A single block (block_v == V, of any width) is the whole of dw: its window starts at a static 0.
     first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
@@ -584,7 +618,7 @@ def _stage_dw(dw_acc, dw_stage, cfg: BackwardConfig) -> None:
     kept transposed (:attr:`BackwardConfig.dw_transposed`) goes over in ``[128, 512]`` pieces (the
     piece size does not change libtpu's schedule: v6e, 128 and 512 columns alike)."""
     if not cfg.dw_transposed:
-        hidden = pl.ds(0, cfg.hidden)  # the accumulator's rows past H are the padding's zeros
+        hidden = pl.ds(0, cfg.tile_hidden)  # the accumulator's rows past H are the padding's zeros
         tile = dw_acc[:, hidden] if cfg.w_layout == "vh" else dw_acc[hidden, :]
         dw_stage[...] = tile.astype(dw_stage.dtype)
         return
@@ -655,6 +689,12 @@ def backward_call(
     in_specs, operands = _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_expected,
                                  cfg)
     dw_shape, dw_dtype, aliases = w.shape, w.dtype, {}
+    if cfg.hidden_split != 1 and not (cfg.kept_logits and cfg.hidden == cfg.hp
+                                      and cfg.hp % (cfg.hidden_split * LANES) == 0
+                                      and cfg.hidden_tile % cfg.block_h == 0):
+        raise ValueError(f"backward_call: hidden_split={cfg.hidden_split} needs the kept-logits mode and "
+                         f"H={cfg.hidden} a whole number of {cfg.hidden_split} tiles of 128 that "
+                         f"block_h={cfg.block_h} divides")
     if cfg.kept_logits:
         if kept is None:
             raise ValueError("backward_call: cfg.kept_logits needs kept=(logits, running_dw)")
@@ -665,7 +705,8 @@ def backward_call(
         if running is not None and (running.shape != padded or running.dtype != jnp.float32):
             raise ValueError(f"backward_call: running_dw must be float32 {padded}, got {running.dtype} {running.shape}")
         nvc = cfg.nv_per_core
-        in_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v), lambda c, j, i: (i, c * nvc + j)))
+        in_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v),
+                                     lambda c, j, i: (i, c * nvc + _hidden_and_vocab_step(j, cfg)[1])))
         operands.append(logits)
         if running is not None:
             in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
@@ -687,7 +728,7 @@ def backward_call(
     if cfg.kept_logits:
         scratch = [
             pltpu.VMEM((2, *cfg.dw_acc_shape), jnp.float32),  # dw: two slots the running sum's DMAs fill and empty
-            pltpu.VMEM((cfg.padded_n, cfg.hp), jnp.float32),  # the chunk's dx partial, resident
+            pltpu.VMEM((cfg.padded_n, cfg.hidden_tile), jnp.float32),  # the chunk's dx partial, resident
             pltpu.SemaphoreType.DMA((3,)),  # dw in, dx out, dw out
         ]
         if not cfg.dw_to_running:
@@ -703,8 +744,9 @@ def backward_call(
         ]
     dw, dx_partials = pl.pallas_call(
         common.with_prefetch(functools.partial(_backward_kernel, cfg=cfg), skipping),
-        **common.grid_arguments((cfg.num_cores, cfg.nv_per_core, cfg.nb), in_specs, out_specs, scratch, skipping,
-                                token_axis=2, pinned={}),
+        # The second axis walks the core's vocab blocks once per hidden tile (:attr:`BackwardConfig.hidden_split`).
+        **common.grid_arguments((cfg.num_cores, cfg.hidden_split * cfg.nv_per_core, cfg.nb), in_specs, out_specs,
+                                scratch, skipping, token_axis=2, pinned={}),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             # The core axis is "parallel": Mosaic spreads it over the TensorCores of the device the
@@ -728,10 +770,11 @@ def backward_call(
 def _dw_staging(cfg: BackwardConfig, dtype: Any) -> list[Any]:
     """VMEM for the finished ``dw`` tile on its way out in ``w``'s dtype: the staging block, and for a
     ragged last vocab block the buffer of its entries past the last whole layout tile (:func:`_dw_write`)."""
-    buffers = [pltpu.VMEM(_block_shape(cfg, cfg.hidden), dtype)]
+    buffers = [pltpu.VMEM(_block_shape(cfg, cfg.tile_hidden), dtype)]
     remainder = _dw_tail_split(cfg)[1]
     if remainder:
-        buffers.append(pltpu.VMEM(_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.hidden), dtype))
+        buffers.append(pltpu.VMEM(_block_shape(dataclasses.replace(cfg, block_v=remainder), cfg.tile_hidden),
+                                  dtype))
     return buffers
 
 
@@ -743,15 +786,17 @@ def _w_block_spec(cfg: BackwardConfig) -> pl.BlockSpec:
     vh = cfg.w_layout == "vh"
 
     def w_block(c, j, i):
-        block = jnp.minimum(c * nvc + j, nv - 1)
-        return (block, 0) if vh else (0, block)
+        h, jj = _hidden_and_vocab_step(j, cfg)
+        block = jnp.minimum(c * nvc + jj, nv - 1)
+        return (block, h) if vh else (h, block)
 
     return common.block_spec(_w_block_shape(cfg), w_block, pl.Buffered(cfg.w_buffers))
 
 
 def _w_block_shape(cfg: BackwardConfig) -> tuple[int, int]:
-    """A ``w`` block (and ``dw``'s accumulator): ``[Hp, block_v]``, or ``[block_v, Hp]`` for a ``[V, H]`` head."""
-    return _block_shape(cfg, cfg.hp)
+    """A ``w`` block (and ``dw``'s accumulator): ``[Hp, block_v]``, or ``[block_v, Hp]`` for a ``[V, H]`` head
+    (``Hp`` the hidden tile's, :attr:`BackwardConfig.hidden_split`)."""
+    return _block_shape(cfg, cfg.hidden_tile)
 
 
 def _block_shape(cfg: BackwardConfig, hidden: int) -> tuple[int, int]:
@@ -769,7 +814,8 @@ def _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_exp
 
     column = pl.BlockSpec((cfg.block_b, 1), rows)
     if cfg.kept_logits:  # the chunk's x resident in VMEM: fetched once per core, one buffer
-        x_spec = common.block_spec((cfg.padded_n, cfg.hp), lambda c, j, i: (0, 0), pl.Buffered(1))
+        x_spec = common.block_spec((cfg.padded_n, cfg.hidden_tile),
+                                   lambda c, j, i: (0, _hidden_and_vocab_step(j, cfg)[0]), pl.Buffered(1))
     else:
         x_spec = pl.BlockSpec((cfg.block_b, cfg.hp), rows)
     in_specs = [x_spec, _w_block_spec(cfg), column]

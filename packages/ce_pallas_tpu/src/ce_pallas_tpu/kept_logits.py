@@ -59,6 +59,8 @@ from ce_pallas_tpu.target import Target, current_target
 #: The most tokens per chunk (``None``: :func:`default_chunk` decides; tests set a small number): the
 #: chunk's kept logits are ``4 * chunk * V`` bytes (2 GiB at 4096 tokens and V=128256).
 CHUNK_TOKENS: int | None = None
+#: The hidden tiles of the kept backward (``None``: :func:`plan_chunks` decides; tests force a split).
+HIDDEN_SPLIT: int | None = None
 #: Bounds of the rule's chunk: fewer rows make each step's matmuls short; more hold more logits.
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 1024, 4096
 #: The fewest tokens per chunk the default shrinks a chunk to, to fit its budget (the roofline then says
@@ -76,6 +78,14 @@ def keep_logits_budget(target: Target) -> int:
     return min(KEEP_LOGITS_BUDGET_CAP_BYTES, target.facts.hbm_bytes // KEEP_LOGITS_HBM_DIVISOR)
 
 
+def hiding_chunk(h: int, w_bytes: int, target: Target) -> float:
+    """The fewest tokens per chunk whose HBM traffic hides under their matmuls on ``target`` (infinite
+    where none does): see :func:`default_chunk`."""
+    ridge = target.facts.flops_per_byte
+    denominator = 6 * h - 8 * ridge
+    return math.inf if denominator <= 0 else (2 * w_bytes + 8) * ridge * h / denominator
+
+
 def default_chunk(h: int, w_bytes: int, target: Target) -> int:
     """Tokens per chunk on ``target``: twice the fewest whose HBM traffic hides under their matmuls,
     in whole 512s within [:data:`MIN_CHUNK_TOKENS`, :data:`MAX_CHUNK_TOKENS`].
@@ -87,11 +97,9 @@ def default_chunk(h: int, w_bytes: int, target: Target) -> int:
     v5p at H=4096, bf16: about 350 tokens; v6e: about 1,400; where ``6 H <= 8 R`` (narrow heads on v6e) no
     chunk hides it and the largest is taken.
     """
-    ridge = target.facts.flops_per_byte
-    denominator = 6 * h - 8 * ridge
-    if denominator <= 0:
+    fewest = hiding_chunk(h, w_bytes, target)
+    if math.isinf(fewest):
         return MAX_CHUNK_TOKENS
-    fewest = (2 * w_bytes + 8) * ridge * h / denominator
     return int(min(MAX_CHUNK_TOKENS, max(MIN_CHUNK_TOKENS, round_up(math.ceil(2 * fewest), 512))))
 
 
@@ -191,9 +199,11 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
     logits, running = 4 * c * plan.logits_shape[1], 4 * math.prod(plan.running_dw_shape)
     recompute = max(2 * n * h * v / flops, head / bandwidth) + max(6 * n * h * v / flops, 2 * head / bandwidth)
 
+    reads = plan.backward.hidden_split  # the backward reads the logits once per hidden tile
+
     def chunk(dw_bytes: float) -> float:
         return (max(2 * c * h * v / flops, (head + logits) / bandwidth)
-                + max(4 * c * h * v / flops, (head + logits + dw_bytes) / bandwidth))
+                + max(4 * c * h * v / flops, (head + reads * logits + dw_bytes) / bandwidth))
 
     if plan.chunks == 1:
         return chunk(head), recompute
@@ -252,19 +262,53 @@ MIN_FITTED_CHUNK = 256
 PREFERRED_BLOCK_V_WIDTHS = 4
 
 
+#: The hidden tiles the kept backward may take a wide head's hidden size in (:attr:`BackwardConfig.hidden_split`).
+HIDDEN_SPLITS = (1, 2, 4)
+
+
 def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
          budget: int) -> tuple[ForwardConfig, BackwardConfig, int]:
-    """Both kernels' configs and the chunk: the largest chunk (from ``chunk`` down, by 512 tokens to 1024,
-    then halving) whose backward fits VMEM with vocab blocks of at least :data:`PREFERRED_BLOCK_V_WIDTHS`
-    MXU widths, else ``chunk`` with narrower ones."""
+    """Both kernels' configs and the chunk (:func:`_fit_split`): the backward's hidden size whole unless that
+    starves it (:func:`_starved`), else in the tiles (:data:`HIDDEN_SPLITS`, ``H`` a whole number of 128-wide
+    tiles) that fit the longest chunk, the fewer on a tie; explicit tiles are not split.
+
+    A wide head (Llama-3 70B's H=8192) holds so much per token and per vocab entry in VMEM (the chunk's
+    ``x`` and float32 ``dx``, the ``[Hp, block_v]`` ``w`` block and ``dw`` slots) that its chunk or its vocab
+    block shrinks until the float32 ``dw``'s traffic no longer hides (v5p: 256-token chunks, 1.10 of the
+    8NHV minimum in libtpu's static schedule; v6e: 256-column vocab blocks, 1.11); in hidden tiles each
+    holds a tile's worth, at the price of reading the kept logits and forming ``delta`` once per tile.
+    The longest chunk rather than the first unstarved one: v6e, Llama-3 70B, two tiles fit 1536-token
+    chunks (backward 1.36 of its MXU minimum, HBM level with the MXU), four 3072 (1.18)."""
     explicit = spec.block_sizes is not None and any(
         size is not None for size in (spec.block_sizes.b_block_size, spec.block_sizes.v_block_size))
+    whole = _fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, HIDDEN_SPLIT or 1, explicit)
+    if HIDDEN_SPLIT is not None or explicit or not _starved(whole, h, w_dtype, target):
+        return whole
+    fits = [_fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, split, explicit)
+            for split in HIDDEN_SPLITS[1:] if round_up(h, 128) == h and h % (128 * split) == 0]
+    return max([whole, *fits], key=lambda fit: fit[2])  # the first of the longest: the fewest tiles
+
+
+def _starved(fitted: tuple[ForwardConfig, BackwardConfig, int], h: int, w_dtype: Any, target: Target) -> bool:
+    """Whether a fit's backward runs below its MXU's pace for want of VMEM: a chunk too short to hide the
+    float32 ``dw``'s traffic (:func:`hiding_chunk`) or vocab blocks narrower than
+    :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths (where the vocabulary has that many)."""
+    _, backward, chunk = fitted
+    preferred = min(backward.v, PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side)
+    return chunk < hiding_chunk(h, jnp.dtype(w_dtype).itemsize, target) or backward.block_v < preferred
+
+
+def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
+               budget: int, split: int, explicit: bool) -> tuple[ForwardConfig, BackwardConfig, int]:
+    """Both kernels' configs and the chunk, the backward's hidden size in ``split`` tiles: the largest chunk
+    (from ``chunk`` down, by 512 tokens to 1024, then halving) whose backward fits VMEM with vocab blocks of
+    at least :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, else ``chunk`` with narrower ones."""
     for floor in (PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side, 256):
         size = chunk
         while True:
             base = make_plan(size, h, v, x_dtype, w_dtype, spec, target)
             shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
-            backward = _fit_backward(base, shape, budget, floor, explicit)
+            backward = _fit_backward(base, shape, budget, floor, explicit, split)
             if _backward_need(backward, shape) <= budget:
                 return _fit_forward(base, shape, target, budget), backward, size
             if size <= MIN_FITTED_CHUNK:
@@ -272,14 +316,25 @@ def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec
             size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
     base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
     shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
-    return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256, explicit), chunk
+    return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256, explicit, split), chunk
 
 
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int) -> ForwardConfig:
+    """The kept forward's tiles: the recompute forward's, its token block halved while they and the kept
+    logits' blocks do not fit VMEM, except that where half the token block would no longer hide a ``w``
+    block's read under its matmuls (fewer rows than the chip's flops per ``w`` byte: v6e 560 for bf16)
+    the vocab block is halved instead, down to :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths (Llama-3 70B's
+    head on v6e, 1536-token chunks: 384 x 2048 tiles ran at 1.54 of the MXU minimum, every ``w`` block
+    read for 384 rows)."""
     cfg = dataclasses.replace(base.forward, keep_logits=True)
+    hiding_rows = target.facts.flops_per_byte * shape.w_bytes / 2  # 2 flops per row and w element
+    narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
     while (cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
            + 2 * 4 * cfg.block_b * cfg.block_v > budget and cfg.block_b > 8 and cfg.block_b % 16 == 0):
-        cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
+        if cfg.block_b // 2 < hiding_rows and cfg.block_v // 2 >= narrowest and cfg.block_v % 256 == 0:
+            cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
+        else:
+            cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
     return cfg
 
 
@@ -287,9 +342,10 @@ def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     """VMEM of the kept-logits backward: the recompute backward's model with its ``x`` blocks and ``dx``
     slots replaced by the chunk-resident ``x`` and float32 ``dx``, plus the kept logits' blocks, and its
     float32 accumulator replaced by two float32 ``dw`` slots (the ``w``-typed staging block stays: the
-    last chunk writes through it)."""
-    rows, hp = round_up(cfg.padded_n, 16), cfg.hp
+    last chunk writes through it); every hidden extent the tile's (:attr:`BackwardConfig.hidden_split`)."""
+    rows, hp = round_up(cfg.padded_n, 16), cfg.hidden_tile
     blocks = hp * cfg.block_v
+    shape = dataclasses.replace(shape, hp=hp)
     recompute = cost_model.backward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, single_w=cfg.w_buffers == 1)
     blocked = 2 * cfg.block_b * hp * (shape.x_bytes + 4)
     resident = rows * hp * (shape.x_bytes + 4)
@@ -306,12 +362,14 @@ KEPT_MAX_BLOCK_B, KEPT_MAX_BLOCK_V = 1024, 2048
 
 
 def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256,
-                  explicit: bool = False) -> BackwardConfig:
+                  explicit: bool = False, split: int = 1) -> BackwardConfig:
     """The kept backward's tiles: explicit ones as given (vocab block halved to fit); by default the
     products over the whole hidden size, the largest token block that divides the chunk (at most
     :data:`KEPT_MAX_BLOCK_B`) and the widest vocab block (at most :data:`KEPT_MAX_BLOCK_V`) whose VMEM fits:
     the vocab block narrowed first, down to ``floor``, then the token block, down to 256."""
-    cfg = dataclasses.replace(base.backward, kept_logits=True)
+    cfg = dataclasses.replace(base.backward, kept_logits=True, hidden_split=split)
+    if cfg.hidden_tile % cfg.block_h:
+        cfg = dataclasses.replace(cfg, block_h=cfg.hidden_tile)
     if not explicit:
         cfg = _widest_fitting(cfg, shape, budget, floor)
     while _backward_need(cfg, shape) > budget and cfg.block_v > floor and cfg.block_v % 256 == 0:
@@ -328,7 +386,7 @@ def _widest_fitting(cfg: BackwardConfig, shape: cost_model.Shape, budget: int, f
     for block_b in token_blocks:
         block_v = widest
         while True:
-            trial = dataclasses.replace(cfg, block_b=block_b, block_h=cfg.hp, block_v=block_v,
+            trial = dataclasses.replace(cfg, block_b=block_b, block_h=cfg.hidden_tile, block_v=block_v,
                                         num_cores=min(cfg.num_cores, cdiv(cfg.v, block_v)))
             if _backward_need(trial, shape) <= budget:
                 return trial

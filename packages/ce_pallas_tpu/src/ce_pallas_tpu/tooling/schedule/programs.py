@@ -38,7 +38,8 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     if tiles is not None:
         block_b, block_h, block_v = tiles
         block_b, block_v = min(block_b, n), min(block_v, v)
-        cfg = dataclasses.replace(cfg, block_b=block_b, block_h=cfg.hp if block_h is None else block_h,
+        whole = getattr(cfg, "hidden_tile", cfg.hp)  # a kept backward's hidden tile (its products' extent)
+        cfg = dataclasses.replace(cfg, block_b=block_b, block_h=whole if block_h is None else block_h,
                                   block_v=block_v, num_cores=active_cores(current_target().num_cores, cdiv(v, block_v)))
     if w_buffers is not None and kernel == "backward":
         cfg = dataclasses.replace(cfg, w_buffers=w_buffers)

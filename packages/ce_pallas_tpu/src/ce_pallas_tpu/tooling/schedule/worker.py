@@ -84,9 +84,9 @@ def block_bytes_per_step(job: Job, cfg: Any) -> float:
 
     x_bytes, w_bytes = jnp.dtype(job.x_dtype).itemsize, jnp.dtype(job.w_dtype).itemsize
     logits = 4 * cfg.block_b * cfg.block_v if job.keep_logits else 0  # the kept logits' block, out or in
-    if job.kernel == "backward" and job.keep_logits:  # x and dx stay in VMEM for the chunk
-        return (cfg.block_b * cfg.hp * (x_bytes + 4) / cfg.nv_per_core
-                + cfg.hp * cfg.block_v * (w_bytes + 8) / cfg.nb + logits)
+    if job.kernel == "backward" and job.keep_logits:  # x and dx stay in VMEM for the chunk (per hidden tile)
+        return (cfg.block_b * cfg.hidden_tile * (x_bytes + 4) / cfg.nv_per_core
+                + cfg.hidden_tile * cfg.block_v * (w_bytes + 8) / cfg.nb + logits)
     if job.kernel == "forward":  # a w block every step; x once per token block unless hidden is blocked
         x_block = cfg.block_b * cfg.block_h * x_bytes
         return cfg.block_h * cfg.block_v * w_bytes + (x_block if cfg.nh > 1 else x_block / cfg.nv_per_core) + logits
@@ -114,7 +114,8 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
         shutil.rmtree(profile_dir, ignore_errors=True)
 
     chip = SCHEDULE_CHIPS[generation]
-    inner = cfg.nh if job.kernel == "forward" else 1  # hidden blocks per (token, vocab) pair
+    # hidden blocks per (token, vocab) pair: the forward's, or the kept backward's hidden tiles
+    inner = cfg.nh if job.kernel == "forward" else getattr(cfg, "hidden_split", 1)
     steps = cfg.nb * cfg.nv_per_core * inner
 
     def per_step(field: str) -> float:
@@ -122,12 +123,12 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
         return fit.total(cfg.nb, cfg.nv_per_core) / steps
 
     cycles_fit = BilinearFit.of({p: t.cycles for p, t in traces.items()})
-    step_h = cfg.block_h if job.kernel == "forward" else cfg.hp
+    step_h = cfg.block_h if job.kernel == "forward" else cfg.hidden_tile
     mxu = mxu_cycles(generation, job.kernel, cfg.block_b, step_h, cfg.block_v, job.keep_logits)
     record.tiles = (cfg.block_b, cfg.block_h, cfg.block_v)
     record.w_buffers = getattr(cfg, "w_buffers", None)
     record.grid = ((cfg.num_cores, cfg.nb, cfg.nv_per_core, cfg.nh) if job.kernel == "forward"
-                   else (cfg.num_cores, cfg.nv_per_core, cfg.nb))
+                   else (cfg.num_cores, inner * cfg.nv_per_core, cfg.nb))
     record.cores = cfg.num_cores
     record.steps_per_core = steps
     cycles_per_step = cycles_fit.total(cfg.nb, cfg.nv_per_core) / steps
