@@ -462,7 +462,7 @@ def pair_stats_call(x: jax.Array, w: jax.Array, u: jax.Array, v: jax.Array, scal
     scratch = ([lanes] * 2 if mode == "given"  # the sums
                else [lanes] * 2  # references
                + [pltpu.VMEM((2 if cfg.streamed else 1, cfg.block_b, LANES), jnp.float32)] * 3  # sums (slots)
-               + [pltpu.SMEM((1,), jnp.int32)] * cfg.streamed)  # whether this step is (re)done exactly
+               + [pltpu.SMEM((1,), jnp.int32)] * int(cfg.streamed))  # whether this step is (re)done exactly
     out_specs = [row_spec] * outputs
     kernel = (functools.partial(_given_kernel, cfg=cfg) if mode == "given"
               else functools.partial(_online_kernel, cfg=cfg, with_divergence=mode == "online"))
