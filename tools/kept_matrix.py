@@ -116,9 +116,11 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     data = load()
     data.setdefault("environment", environment())
     kernels = data.setdefault("kernels", {}).setdefault(gen, [])
-    if not args.only_recompute:  # kept records of an earlier plan (another chunk) are stale
+    if not args.only_recompute:  # kept records of an earlier plan (another chunk) of these heads are stale
         current = [dataclasses.asdict(job) for job in jobs]
-        kernels[:] = [old for old in kernels if not old["job"]["keep_logits"] or old["job"] in current]
+        measured = {(h, v) for _, h, v in heads(args.heads)}
+        kernels[:] = [old for old in kernels if not old["job"]["keep_logits"] or old["job"] in current
+                      or (old["job"]["h"], old["job"]["v"]) not in measured]
     for job, record in zip(jobs, records, strict=True):
         entry = {"job": dataclasses.asdict(job), **record.to_json()}
         kernels[:] = [old for old in kernels if old["job"] != entry["job"]] + [entry]
