@@ -335,8 +335,8 @@ def test_the_default_compiles_and_holds_only_the_chunk_and_the_float32_dw(genera
 @pytest.mark.parametrize("generation,h", [("v5p", 8192), ("v6e", 8192), ("tpu7x", 4096)])
 def test_a_wide_heads_kept_path_compiles_in_hidden_tiles(generation, h):
     """Llama-3 70B's head (Llama-3 8B's on TPU7x, whose VMEM starves even that) split eight ways over the
-    vocabulary (16032 entries a device), bf16, ``keep_logits=True`` over three chunks, compiled for the
-    generation: its backward takes the hidden size in four tiles (strided windows of ``x``, ``w``, the
+    vocabulary (16032 entries a device), bf16, ``keep_logits=True`` over three or more chunks, compiled for the
+    generation: its backward takes the hidden size in tiles (strided windows of ``x``, ``w``, the
     running ``dw`` and the ``dx`` partials), and the program holds the recompute step's buffers plus at
     most the chunk's logits, the float32 ``dw`` and a bf16 ``dx``."""
     from ce_pallas_tpu.target import targeting
@@ -346,7 +346,7 @@ def test_a_wide_heads_kept_path_compiles_in_hidden_tiles(generation, h):
     with targeting(generation):
         n = 3 * kept_logits.plan_chunks(16384, h, v, bf16, bf16, StatsSpec()).chunk
         plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, StatsSpec())
-    assert plan.backward.hidden_split == 4 and plan.chunks == 3
+    assert plan.backward.hidden_split > 1 and plan.chunks >= 3  # first, middle and last kernels
     recompute = compile_loss_and_grads(generation, n, h, v, keep_logits=False)
     kept = compile_loss_and_grads(generation, n, h, v, keep_logits=True)
     assert recompute.temp_bytes is not None and kept.temp_bytes is not None
