@@ -102,6 +102,16 @@ def _spy(called: list, function, *args, **kwargs):
     return function(*args, **kwargs)
 
 
+def _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout: str) -> None:
+    """The kept path's plain mean-loss gradients against the float64 oracle, and no race in the interpreter."""
+    _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=dict(w_layout=layout), weights=None)
+    expected = _oracle(x, labels, w, layout, {}, None, 1.0)
+    assert max_rel_error(dx, expected["dx"]) <= TOLERANCES["float32"][1]
+    assert max_rel_error(dw, expected["dw"]) <= TOLERANCES["float32"][1]
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("layout,n", [("hv", 600), ("vh", 230)])
 def test_the_kept_backwards_default_tiles_match_the_oracle(interpret, monkeypatch, layout, n):
@@ -116,12 +126,7 @@ def test_the_kept_backwards_default_tiles_match_the_oracle(interpret, monkeypatc
     assert plan.chunks == (3 if n == 600 else 1) and plan.backward.block_h == plan.backward.hp
     assert plan.forward.block_b % 16 == plan.backward.block_b % 16 == 0
     assert plan.backward.nv == 2 and plan.backward.num_cores == 2
-    _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=dict(w_layout=layout), weights=None)
-    expected = _oracle(x, labels, w, layout, {}, None, 1.0)
-    assert max_rel_error(dx, expected["dx"]) <= TOLERANCES["float32"][1]
-    assert max_rel_error(dw, expected["dw"]) <= TOLERANCES["float32"][1]
-    races = interpret_pallas_call.races
-    assert races is not None and not races.races_found
+    _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout)
 
 
 @pytest.mark.slow  # 8 s in the race-checked interpreter; the fast tier runs the kept path in the covering rows
@@ -175,12 +180,7 @@ def test_a_hidden_size_in_tiles_matches_the_oracle(interpret, monkeypatch, layou
     plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec(w_layout=layout))
     assert plan.chunks == (3 if n == 600 else 1) and plan.backward.hidden_split == split
     assert plan.backward.nv == 3 and plan.backward.num_cores == 2
-    _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=dict(w_layout=layout), weights=None)
-    expected = _oracle(x, labels, w, layout, {}, None, 1.0)
-    assert max_rel_error(dx, expected["dx"]) <= TOLERANCES["float32"][1]
-    assert max_rel_error(dw, expected["dw"]) <= TOLERANCES["float32"][1]
-    races = interpret_pallas_call.races
-    assert races is not None and not races.races_found
+    _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout)
 
 
 def test_a_wide_head_takes_its_hidden_size_in_tiles_only_where_one_would_starve_the_backward():
