@@ -105,7 +105,8 @@ def cmd_kernels(args: argparse.Namespace) -> None:
                                     "backward_tiles": [plan.backward.block_b, plan.backward.block_h,
                                                        plan.backward.block_v],
                                     "backward_cores": plan.backward.num_cores}
-            kept = [schedule.Job(k, plan.chunk, h, v, w_layout=lay, keep_logits=True) for k in ("forward", "backward")]
+            kept = [schedule.Job(k, plan.chunk, h, v, w_layout=lay, keep_logits=True,
+                                 hidden_split=plan.backward.hidden_split) for k in ("forward", "backward")]
             if not args.only_recompute:
                 jobs += [job for job in kept if job not in jobs]
     if not args.skip_recompute:
@@ -162,9 +163,11 @@ def _ms(record: dict) -> float | None:
     return max(record["kernel_us"], record["hbm_floor_us"]) / 1e3
 
 
-def _find(records: list[dict], **job) -> dict | None:
+def _find(records: list[dict], tiles: list[int] | None = None, **job) -> dict | None:
+    """The record of the job with these fields (and, if given, these measured tiles)."""
     for record in records:
-        if all(record["job"].get(key) == value for key, value in job.items()):
+        if all(record["job"].get(key) == value for key, value in job.items()) and (
+                tiles is None or record.get("tiles") == tiles):
             return record
     return None
 
@@ -260,8 +263,11 @@ def rows() -> list[dict]:
         mat = data.get("materialised", {}).get(gen, [])
         for plan in data.get("plans", {}).get(gen, {}).values():
             name, n, h, v, lay, chunk = plan["head"], plan["n"], plan["h"], plan["v"], plan["w_layout"], plan["chunk"]
-            fwd = _find(records, kernel="forward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay)
-            bwd = _find(records, kernel="backward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay)
+            # The kernels the plan runs: records of another plan at the same chunk (other tiles) do not count.
+            fwd = _find(records, kernel="forward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay,
+                        tiles=plan["forward_tiles"])
+            bwd = _find(records, kernel="backward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay,
+                        tiles=plan["backward_tiles"])
             rfwd = _find(records, kernel="forward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             rbwd = _find(records, kernel="backward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             mxu_ms = 8 * n * h * v / peak * 1e3

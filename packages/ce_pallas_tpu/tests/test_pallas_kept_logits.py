@@ -183,32 +183,47 @@ def test_a_hidden_size_in_tiles_matches_the_oracle(interpret, monkeypatch, layou
     _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout)
 
 
-def test_a_wide_head_takes_its_hidden_size_in_tiles_only_where_one_would_starve_the_backward():
+def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gains():
     """Llama-3 70B's head (H=8192): whole, v5p's VMEM leaves 256-token chunks (below the ~350 whose float32
-    dw traffic hides) and v6e's 256-column vocab blocks; of two and four hidden tiles the plan takes the
-    one that fits the longest chunk (four: 1024 and 3072 tokens). Heads whose whole plan is not starved
-    (Llama-3 8B, 70B on v5e) and explicit tiles stay whole; a split needs H a whole number of 128-wide
-    tiles."""
+    dw traffic hides) and v6e's 256-column vocab blocks; of two and four hidden tiles the plan prefers the
+    one that fits the longest chunk (four), and on v6e takes 16384 tokens in eight 2048-token chunks
+    rather than the default's six 3072-token ones (18432 rows). An unstarved whole plan stays whole
+    unless tiles are estimated more than 3% faster: Llama-3 8B on v5e and v5p stays whole; on v6e 4096
+    tokens go in one chunk in two tiles (whole: three 1536-token chunks), and 70B on v5e in 1024-token
+    chunks in two tiles (whole: 512, its float32 dw's traffic at the MXU's pace). v6e forms ``delta`` once
+    per tile at a cost the estimate counts: 16384 tokens of Llama-3 8B stay whole (eleven 1536-token
+    chunks, against eight in two tiles). Explicit tiles stay whole; a split needs H a whole number of
+    128-wide tiles."""
     from ce_pallas_tpu.backward import backward_call
     from ce_pallas_tpu.target import CHIP_FACTS, Target
     from ce_pallas_tpu.tiling import vmem_budget
 
     bf16, spec = jnp.bfloat16, StatsSpec()
     v5e, v5p, v6e = (Target(gen, CHIP_FACTS[gen].num_cores, None) for gen in ("v5e", "v5p", "v6e"))
-    for target, chunk, block_v in ((v5p, 1024, 512), (v6e, 3072, 1024)):
+    budget = {target: vmem_budget(target) for target in (v5e, v5p, v6e)}
+    for target, chunk, block_v in ((v5p, 1024, 512), (v6e, 2048, 1024)):
         plan = kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, spec, target)
         b = plan.backward
         assert (b.hidden_split, b.hidden_tile, b.block_h, plan.chunk, b.block_v) == (4, 2048, 2048, chunk, block_v)
+        assert plan.chunks * plan.chunk == 16384  # no chunk overlaps the one before
         assert plan.chunk >= kept_logits.hiding_chunk(8192, 2, target)
-        halves = kept_logits._fit_split(plan.chunk, 8192, 128256, bf16, bf16, spec, target, vmem_budget(target), 2,
-                                        False)
-        assert halves[2] < plan.chunk  # two tiles fit a shorter chunk
+        halves = kept_logits._fit_split(4096, 8192, 128256, bf16, bf16, spec, target, budget[target], 2, False)
+        quarters = kept_logits._fit_split(4096, 8192, 128256, bf16, bf16, spec, target, budget[target], 4, False)
+        assert halves[2] < quarters[2]  # two tiles fit a shorter chunk
         assert plan.running_dw_shape[0] == 8192  # the running dw stays whole: each tile adds its rows
         kept, recompute = kept_logits.estimated_seconds(plan, bf16, target)  # the logits read once per tile
-        assert kept < 0.9 * recompute  # (v6e: six 3072-token chunks over 16384 tokens, the last overlapping)
-    for target in (v5e, v5p, v6e):
+        assert kept < 0.9 * recompute
+    for target in (v5e, v5p, v6e):  # v6e: eleven whole 1536-token chunks; eight in two tiles cost more
         assert kept_logits.plan_chunks(16384, 4096, 128256, bf16, bf16, spec, target).backward.hidden_split == 1
-    assert kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, spec, v5e).backward.hidden_split == 1
+    llama8b = kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v6e)
+    assert (llama8b.chunks, llama8b.backward.hidden_split) == (1, 2)
+    whole = kept_logits._fit_split(4096, 4096, 128256, bf16, bf16, spec, v6e, budget[v6e], 1, False)
+    assert whole[2] == 1536 and not kept_logits._starved(whole, 4096, bf16, v6e)
+    v5e_70b = kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, spec, v5e)
+    assert (v5e_70b.chunk, v5e_70b.backward.hidden_split) == (1024, 2)
+    with pytest.MonkeyPatch.context() as patch:  # a chunk set by hand is taken as it is, whole
+        patch.setattr(kept_logits, "CHUNK_TOKENS", 512)
+        assert kept_logits.plan_chunks(16384, 4096, 128256, bf16, bf16, spec, v6e).chunk == 512
     explicit = StatsSpec(block_sizes=BlockSizes(256, None, 256))
     assert kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, explicit, v5p).backward.hidden_split == 1
     assert kept_logits.plan_chunks(4096, 8000, 128256, bf16, bf16, spec, v5p).backward.hidden_split == 1  # H % 256
@@ -344,7 +359,7 @@ def test_a_wide_heads_kept_path_compiles_in_hidden_tiles(generation, h):
 
     v, bf16 = 16032, jnp.bfloat16
     with targeting(generation):
-        n = 3 * kept_logits.plan_chunks(16384, h, v, bf16, bf16, StatsSpec()).chunk
+        n = 4 * kept_logits.plan_chunks(16384, h, v, bf16, bf16, StatsSpec()).chunk
         plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, StatsSpec())
     assert plan.backward.hidden_split > 1 and plan.chunks >= 3  # first, middle and last kernels
     recompute = compile_loss_and_grads(generation, n, h, v, keep_logits=False)

@@ -140,32 +140,64 @@ class KeptPlan:
 
 
 def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
-                target: Target | None = None, chunk_tokens: int | None = None) -> KeptPlan:
+                target: Target | None = None, chunk_tokens: int | None = None,
+                hidden_split: int | None = None) -> KeptPlan:
     """The chunk and the kernels' tiles for ``x: [n, h]``, ``w`` with ``v`` entries on ``target``;
-    ``chunk_tokens`` (default :data:`CHUNK_TOKENS`, read now, or :func:`default_chunk`) bounds the chunk.
+    ``chunk_tokens`` (default :data:`CHUNK_TOKENS`, read now, or :func:`default_chunk`) bounds the chunk,
+    ``hidden_split`` (default :data:`HIDDEN_SPLIT`, read now) fixes the backward's hidden tiles.
 
     The tiles are the recompute path's for a chunk, adjusted to the VMEM budget: the forward's token
     block halved while its kept-logits blocks do not fit; the backward, which holds the chunk's ``x``
     and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its vocab block halved down to
-    :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, then the chunk (:func:`_fit`).
+    :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, then the chunk, its hidden size whole or in tiles
+    (:func:`_fits`). Of those fits and (where the chunk is the default's) of up to twice their fewest
+    chunks over ``n``, the plan is the first, in that order of preference, whose :func:`estimated_seconds`
+    is within :data:`PLAN_TOLERANCE` of the fastest's: 4096 tokens of Llama-3 8B's head on v6e go in one
+    chunk in two hidden tiles rather than three whole 1536-token chunks (a eighth more rows than tokens,
+    each chunk's float32 ``dw`` traffic barely hidden), 16384 of Llama-3 70B's in eight 2048-token chunks
+    rather than six of 3072.
     """
     target = current_target() if target is None else target
+    searching = chunk_tokens is None and CHUNK_TOKENS is None
     if chunk_tokens is None:
         chunk_tokens = CHUNK_TOKENS or _whole_chunks(n, default_chunk(h, jnp.dtype(w_dtype).itemsize, target))
     budget = tiling.vmem_budget(target)
-    forward, backward, chunk = _fit(min(n, chunk_tokens), h, v, x_dtype, w_dtype, spec, target, budget)
-    if n > chunk:  # whole token blocks of both kernels per chunk, where that leaves a chunk
-        unit = math.lcm(forward.block_b, backward.block_b)
-        if chunk >= unit:
-            chunk = chunk // unit * unit
-            forward = dataclasses.replace(forward, n=chunk)
-            backward = dataclasses.replace(backward, n=chunk)
-    if n > chunk:  # as few tokens per chunk as the same number of chunks needs (less overlap at the end)
-        balanced = round_up(cdiv(n, cdiv(n, chunk)), math.lcm(forward.block_b, backward.block_b))
-        if balanced < chunk:
-            chunk = balanced
-            forward = dataclasses.replace(forward, n=chunk)
-            backward = dataclasses.replace(backward, n=chunk)
+    plans: list[KeptPlan] = []
+    split = HIDDEN_SPLIT if hidden_split is None else hidden_split
+    for forward, backward, chunk in _fits(min(n, chunk_tokens), h, v, x_dtype, w_dtype, spec, target, budget, split):
+        plans.append(_plan(n, h, v, spec, *_chunked(n, forward, backward, chunk)))
+        fewest = cdiv(n, chunk)
+        for count in range(fewest + 1, 2 * fewest + 1) if searching else ():  # more, shorter chunks
+            shorter = round_up(cdiv(n, count), 256)
+            refit = _fit_split(shorter, h, v, x_dtype, w_dtype, spec, target, budget, backward.hidden_split,
+                               _explicit_tiles(spec))
+            plans.append(_plan(n, h, v, spec, *_chunked(n, *refit)))
+    plans = list(dict.fromkeys(plans))
+    seconds = {plan: estimated_seconds(plan, w_dtype, target)[0] for plan in plans}
+    return next(plan for plan in plans if seconds[plan] <= (1 + PLAN_TOLERANCE) * min(seconds.values()))
+
+
+#: How much slower (by :func:`estimated_seconds`) a preferred plan may be and still be taken over a faster
+#: one: the roofline leaves out what libtpu's schedule shows per plan (steps outside the MXU, a second
+#: hidden tile's ``delta``), so only a clear gain moves a plan from the preferred fit and chunk count.
+PLAN_TOLERANCE = 0.03
+
+
+def _chunked(n: int, forward: ForwardConfig, backward: BackwardConfig,
+             chunk: int) -> tuple[ForwardConfig, BackwardConfig, int]:
+    """A fit's chunk made a whole number of both kernels' token blocks where that leaves one, then as few
+    tokens as the same number of chunks over ``n`` needs (less overlap at the end)."""
+    if n <= chunk:
+        return forward, backward, chunk
+    unit = math.lcm(forward.block_b, backward.block_b)
+    if chunk >= unit:
+        chunk = min(chunk // unit * unit, round_up(cdiv(n, cdiv(n, chunk // unit * unit)), unit))
+    return dataclasses.replace(forward, n=chunk), dataclasses.replace(backward, n=chunk), chunk
+
+
+def _plan(n: int, h: int, v: int, spec: StatsSpec, forward: ForwardConfig, backward: BackwardConfig,
+          chunk: int) -> KeptPlan:
+    """The plan of ``n`` tokens in chunks of ``chunk`` with these kernels' configs, and its buffers' shapes."""
     # The kept logits are an array of their own, whose token blocks must be whole sublane tiles (a block
     # equal to the array's rows would do, but both kernels' blocks cannot always be): rows past N are masked.
     if forward.block_b % 16:
@@ -188,22 +220,27 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
     Recompute: the forward (``2NHV`` flops; ``w`` read) and the backward (``6NHV``; ``w`` read, ``dw``
     written). Kept, per chunk of ``C`` tokens: the forward (``2CHV``; ``w`` read, ``4CV`` bytes of logits
     written) and the backward (``4CHV``; ``w`` and the logits read, the float32 running ``dw`` read and
-    written: the first chunk only writes it, the last reads it and writes ``dw`` in ``w``'s dtype). The
-    statistics, ``x`` and ``dx`` move ``[N]``- and ``[N, H]``-sized bytes on both paths, left out.
-    This is what decides ``keep_logits=None``; libtpu's static schedule checks it (``docs/benchmarks.md``).
+    written: the first chunk only writes it, the last reads it and writes ``dw`` in ``w``'s dtype). Each
+    backward also forms ``delta`` from every logit, once per hidden tile, at the cost of
+    ``ChipFacts.delta_columns`` MXU columns (v6e: what makes two tiles of Llama-3 8B's head 1.18 of their
+    MXU minimum against 1.06 whole). The statistics, ``x`` and ``dx`` move ``[N]``- and ``[N, H]``-sized
+    bytes on both paths, left out. This is what decides ``keep_logits=None`` and the plan
+    (:func:`plan_chunks`); libtpu's static schedule checks it (``docs/benchmarks.md``).
     """
     cores = target.num_cores
     flops, bandwidth = target.facts.bf16_flops * cores, target.facts.hbm_bytes_per_s * cores
     n, h, v, c = plan.n, plan.h, plan.v, plan.chunk
     head = h * v * jnp.dtype(w_dtype).itemsize
     logits, running = 4 * c * plan.logits_shape[1], 4 * math.prod(plan.running_dw_shape)
-    recompute = max(2 * n * h * v / flops, head / bandwidth) + max(6 * n * h * v / flops, 2 * head / bandwidth)
+    delta = 4 * v * target.facts.delta_columns / flops  # per token and hidden tile, beside the products
+    recompute = (max(2 * n * h * v / flops, head / bandwidth)
+                 + max(6 * n * h * v / flops + n * delta, 2 * head / bandwidth))
 
-    reads = plan.backward.hidden_split  # the backward reads the logits once per hidden tile
+    tiles = plan.backward.hidden_split  # the backward reads the logits and forms delta once per tile
 
     def chunk(dw_bytes: float) -> float:
         return (max(2 * c * h * v / flops, (head + logits) / bandwidth)
-                + max(4 * c * h * v / flops, (head + reads * logits + dw_bytes) / bandwidth))
+                + max(4 * c * h * v / flops + tiles * c * delta, (head + tiles * logits + dw_bytes) / bandwidth))
 
     if plan.chunks == 1:
         return chunk(head), recompute
@@ -266,27 +303,35 @@ PREFERRED_BLOCK_V_WIDTHS = 4
 HIDDEN_SPLITS = (1, 2, 4)
 
 
-def _fit(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
-         budget: int) -> tuple[ForwardConfig, BackwardConfig, int]:
-    """Both kernels' configs and the chunk (:func:`_fit_split`): the backward's hidden size whole unless that
-    starves it (:func:`_starved`), else in the tiles (:data:`HIDDEN_SPLITS`, ``H`` a whole number of 128-wide
-    tiles) that fit the longest chunk, the fewer on a tie; explicit tiles are not split.
+def _fits(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
+          budget: int, split: int | None) -> list[tuple[ForwardConfig, BackwardConfig, int]]:
+    """Both kernels' configs and the chunk (:func:`_fit_split`) of each way the backward may take the hidden
+    size (in ``split`` tiles only, if given): whole, and (``H`` a whole number of 128-wide tiles, tiles not
+    explicit) in each number of tiles of :data:`HIDDEN_SPLITS`. The preferred first: whole unless that
+    starves the backward (:func:`_starved`), else the fit of the longest chunk (the fewest tiles on a tie);
+    then the others that do not starve it.
 
     A wide head (Llama-3 70B's H=8192) holds so much per token and per vocab entry in VMEM (the chunk's
     ``x`` and float32 ``dx``, the ``[Hp, block_v]`` ``w`` block and ``dw`` slots) that its chunk or its vocab
     block shrinks until the float32 ``dw``'s traffic no longer hides (v5p: 256-token chunks, 1.10 of the
     8NHV minimum in libtpu's static schedule; v6e: 256-column vocab blocks, 1.11); in hidden tiles each
     holds a tile's worth, at the price of reading the kept logits and forming ``delta`` once per tile.
-    The longest chunk rather than the first unstarved one: v6e, Llama-3 70B, two tiles fit 1536-token
+    The longest chunk preferred over the first unstarved one: v6e, Llama-3 70B, two tiles fit 1536-token
     chunks (backward 1.36 of its MXU minimum, HBM level with the MXU), four 3072 (1.18)."""
-    explicit = spec.block_sizes is not None and any(
-        size is not None for size in (spec.block_sizes.b_block_size, spec.block_sizes.v_block_size))
-    whole = _fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, HIDDEN_SPLIT or 1, explicit)
-    if HIDDEN_SPLIT is not None or explicit or not _starved(whole, h, w_dtype, target):
-        return whole
-    fits = [_fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, split, explicit)
-            for split in HIDDEN_SPLITS[1:] if round_up(h, 128) == h and h % (128 * split) == 0]
-    return max([whole, *fits], key=lambda fit: fit[2])  # the first of the longest: the fewest tiles
+    explicit = _explicit_tiles(spec)
+    if split is not None or explicit:
+        return [_fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, split or 1, explicit)]
+    fits = [_fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, tiles, explicit)
+            for tiles in HIDDEN_SPLITS if tiles == 1 or (round_up(h, 128) == h and h % (128 * tiles) == 0)]
+    whole = fits[0]
+    preferred = max(fits, key=lambda fit: fit[2]) if _starved(whole, h, w_dtype, target) else whole
+    return [preferred, *(fit for fit in fits if fit is not preferred and not _starved(fit, h, w_dtype, target))]
+
+
+def _explicit_tiles(spec: StatsSpec) -> bool:
+    """Whether the caller set the token or vocab block (then the backward's hidden size stays whole)."""
+    sizes = spec.block_sizes
+    return sizes is not None and (sizes.b_block_size is not None or sizes.v_block_size is not None)
 
 
 def _starved(fitted: tuple[ForwardConfig, BackwardConfig, int], h: int, w_dtype: Any, target: Target) -> bool:

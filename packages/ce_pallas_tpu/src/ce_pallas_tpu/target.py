@@ -60,6 +60,14 @@ class ChipFacts:
     #: streamed step), fitted to libtpu's VMEM figures (:mod:`ce_pallas_tpu.cost_model`); TPU7x keeps
     #: about eight 256-column chunks live per token row where v6e keeps one or two.
     forward_work_tiles: float = 1.5
+    #: The backward's work per logit beside its two products (``delta``: the exponential, the scale, the
+    #: label's one), in MXU columns: a backward step over a hidden tile of ``t`` columns runs at about
+    #: ``1 + delta_columns / t`` of its MXU time. Fitted to libtpu's static schedule of the kept backward:
+    #: v6e 1.26 / 1.18 / 1.10 / 1.06 of the MXU minimum at tiles of 1536 / 2048 / 2304 / 4096 columns;
+    #: v5e and v5p flat (1.03 and 1.06-1.10 from 896 to 8192 columns: nothing to fit); TPU7x's figures
+    #: follow its token blocks instead (two tiles of Llama-3 8B's head at 256- and 512-row blocks: 1.54
+    #: and 1.38; four at 1024: 1.21), not fitted.
+    delta_columns: float = 0.0
 
     @property
     def flops_per_byte(self) -> float:
@@ -73,7 +81,7 @@ CHIP_FACTS: dict[str, ChipFacts] = {
     "v4": ChipFacts(2, 16 * _MIB, 32 * 1024 * _MIB, 137.5e12, 0.615e12),
     "v5e": ChipFacts(1, 128 * _MIB, 16 * 1024 * _MIB, 197e12, 0.82e12),
     "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12),
-    "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256),
+    "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256, delta_columns=320.0),
     # TPU7x (Ironwood): each TensorCore is a device of its own, with 64 MiB of VMEM and half the chip's HBM.
     "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12, mxu_side=256, forward_work_tiles=8.0),
     "default": ChipFacts(1, 16 * _MIB, 16 * 1024 * _MIB, 200e12, 0.8e12),

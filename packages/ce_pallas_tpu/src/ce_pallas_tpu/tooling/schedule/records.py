@@ -30,6 +30,8 @@ class Job:
     #: The kernels of the no-recompute path (``keep_logits=True``) at one chunk of ``n`` tokens: the
     #: forward writing its logits, the backward reading them (two matmuls) and adding onto a float32 dw.
     keep_logits: bool = False
+    #: The kept backward's hidden tiles (``None``: as the plan of one chunk of ``n`` tokens chooses).
+    hidden_split: int | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:

@@ -34,7 +34,8 @@ def _config(job: Job) -> Any:
                      w_layout=job.w_layout, with_argmax=job.with_argmax, keep_logits=job.keep_logits or None)
     if job.precision is not None:
         spec = dataclasses.replace(spec, precision=job.precision)
-    return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers)
+    return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers,
+                         job.hidden_split)
 
 
 def _compile(job: Job, cfg: Any, device: Any) -> None:
