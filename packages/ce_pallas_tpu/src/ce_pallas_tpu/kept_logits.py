@@ -151,8 +151,9 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its vocab block halved down to
     :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, then the chunk, its hidden size whole or in tiles
     (:func:`_fits`). Of those fits and (where the chunk is the default's) of up to twice their fewest
-    chunks over ``n``, the plan is the first, in that order of preference, whose :func:`estimated_seconds`
-    is within :data:`PLAN_TOLERANCE` of the fastest's: 4096 tokens of Llama-3 8B's head on v6e go in one
+    chunks over ``n``, holding at most :data:`PLAN_MEMORY_GROWTH` times the preferred plan's extra HBM, the
+    plan is the first, in that order of preference, whose :func:`estimated_seconds` is within
+    :data:`PLAN_TOLERANCE` of the fastest's: 4096 tokens of Llama-3 8B's head on v6e go in one
     chunk in two hidden tiles rather than three whole 1536-token chunks (a eighth more rows than tokens,
     each chunk's float32 ``dw`` traffic barely hidden), 16384 of Llama-3 70B's in eight 2048-token chunks
     rather than six of 3072.
@@ -172,7 +173,8 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
             refit = _fit_split(shorter, h, v, x_dtype, w_dtype, spec, target, budget, backward.hidden_split,
                                _explicit_tiles(spec))
             plans.append(_plan(n, h, v, spec, *_chunked(n, *refit)))
-    plans = list(dict.fromkeys(plans))
+    preferred = plans[0]  # the search trades speed, not memory: no alternative holds much more than it
+    plans = [plan for plan in dict.fromkeys(plans) if plan.extra_bytes <= PLAN_MEMORY_GROWTH * preferred.extra_bytes]
     seconds = {plan: estimated_seconds(plan, w_dtype, target)[0] for plan in plans}
     return next(plan for plan in plans if seconds[plan] <= (1 + PLAN_TOLERANCE) * min(seconds.values()))
 
@@ -181,6 +183,10 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
 #: one: the roofline leaves out what libtpu's schedule shows per plan (steps outside the MXU, a second
 #: hidden tile's ``delta``), so only a clear gain moves a plan from the preferred fit and chunk count.
 PLAN_TOLERANCE = 0.03
+#: How much more extra HBM (:attr:`KeptPlan.extra_bytes`) than the preferred plan another may hold (v5e, Llama-3
+#: 70B: 1024-token chunks in two tiles, 7% more than 512 whole; v6e, Llama-3 8B at 8192 tokens: two
+#: 4096-token chunks would hold 44% more than six of 1536, more than the float32 logits a materialised step holds).
+PLAN_MEMORY_GROWTH = 1.1
 
 
 def _chunked(n: int, forward: ForwardConfig, backward: BackwardConfig,
