@@ -164,14 +164,13 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
         chunk_tokens = CHUNK_TOKENS or _whole_chunks(n, default_chunk(h, jnp.dtype(w_dtype).itemsize, target))
     budget = tiling.vmem_budget(target)
     plans: list[KeptPlan] = []
-    split = HIDDEN_SPLIT if hidden_split is None else hidden_split
+    split, explicit = HIDDEN_SPLIT if hidden_split is None else hidden_split, _explicit_tiles(spec)
     for forward, backward, chunk in _fits(min(n, chunk_tokens), h, v, x_dtype, w_dtype, spec, target, budget, split):
         plans.append(_plan(n, h, v, spec, *_chunked(n, forward, backward, chunk)))
         fewest = cdiv(n, chunk)
         for count in range(fewest + 1, 2 * fewest + 1) if searching else ():  # more, shorter chunks
             shorter = round_up(cdiv(n, count), 256)
-            refit = _fit_split(shorter, h, v, x_dtype, w_dtype, spec, target, budget, backward.hidden_split,
-                               _explicit_tiles(spec))
+            refit = _fit_split(shorter, h, v, x_dtype, w_dtype, spec, target, budget, backward.hidden_split, explicit)
             plans.append(_plan(n, h, v, spec, *_chunked(n, *refit)))
     preferred = plans[0]  # the search trades speed, not memory: no alternative holds much more than it
     plans = [plan for plan in dict.fromkeys(plans) if plan.extra_bytes <= PLAN_MEMORY_GROWTH * preferred.extra_bytes]
@@ -197,7 +196,8 @@ def _chunked(n: int, forward: ForwardConfig, backward: BackwardConfig,
         return forward, backward, chunk
     unit = math.lcm(forward.block_b, backward.block_b)
     if chunk >= unit:
-        chunk = min(chunk // unit * unit, round_up(cdiv(n, cdiv(n, chunk // unit * unit)), unit))
+        whole = chunk // unit * unit
+        chunk = min(whole, round_up(cdiv(n, cdiv(n, whole)), unit))
     return dataclasses.replace(forward, n=chunk), dataclasses.replace(backward, n=chunk), chunk
 
 
