@@ -183,6 +183,52 @@ def test_a_hidden_size_in_tiles_matches_the_oracle(interpret, monkeypatch, layou
     _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout)
 
 
+@pytest.mark.interpreter
+def test_hidden_tiles_with_and_without_delta_over_the_logits_match_one_tile_exactly(interpret, monkeypatch):
+    """The kept backward in two hidden tiles, each forming ``delta`` or the first writing it over the kept
+    logits (packed bf16) for the second to read: bf16, a soft cap, label smoothing, z-loss and per-token
+    temperatures, prompt-like dead token blocks (the walk skips them in every tile), ragged in N and V, two
+    cores, three chunks. The loss and gradients are those of the same plan in one tile (bit for bit where each
+    tile forms ``delta``; within a bf16 rounding where it is read back) and match the float64 oracle;
+    race-checked."""
+    from ce_pallas_tpu.target import CHIP_FACTS
+
+    interpret("v5p")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 256)
+    n, h, v = 600, 512, 5000
+    x, labels, w = _problem(23, n, h, v, "hv", "bfloat16")
+    labels = np.where(np.arange(n) % 300 < 160, -100, labels)  # two 160-token prompts: dead blocks
+    t = np.random.default_rng(3).uniform(0.5, 2.0, n).astype(np.float32)
+    sizes = BlockSizes(32, None, 1024)  # 32-token blocks, five vocab blocks (the last ragged, core 1 one short)
+    options = dict(block_sizes=sizes, logit_soft_cap=3.0, label_smoothing=0.1, logsumexp_weight=1e-3,
+                   temperature=jnp.asarray(t))
+    results = {}
+    for split, over in ((1, False), (2, False), (2, True)):
+        monkeypatch.setattr(kept_logits, "HIDDEN_SPLIT", split)
+        monkeypatch.setitem(CHIP_FACTS, "v5p", dataclasses.replace(CHIP_FACTS["v5p"], delta_over_logits=over))
+        plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec(block_sizes=sizes))
+        assert (plan.backward.hidden_split, plan.backward.delta_over_logits) == (split, over)
+        assert (plan.chunks, plan.backward.num_cores, plan.backward.block_b, plan.backward.nv) == (3, 2, 32, 5)
+        jax.clear_caches()
+        loss, grads = _value_and_grads(x, labels, w, keep_logits=True, options=options, weights=None)
+        results[split, over] = [np.asarray(a, np.float32) for a in (loss, *grads)]
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    for name, tiled, whole in zip(("loss", "dx", "dw"), results[2, False], results[1, False], strict=True):
+        assert np.array_equal(tiled, whole), name  # the same products, delta formed in each tile
+    # Read back, delta is the same operand (its bits round-trip exactly), but the interpreter's CPU matmuls may
+    # sum a bitcast operand in another order: a handful of bf16 roundings flip (7 of 307,200 dx entries here).
+    for name, read_back, whole in zip(("loss", "dx", "dw"), results[2, True], results[1, False], strict=True):
+        assert np.all(np.abs(read_back - whole) <= 2.0**-7 * np.abs(whole)), name  # one bf16 ulp
+    loss, dx, dw = results[2, True]
+    expected = _oracle(x, labels, w, "hv", options, None, t)
+    loss_tol, grad_tol = TOLERANCES["bfloat16"]
+    assert max_rel_error(loss, expected["loss"]) <= loss_tol
+    assert max_rel_error(dx, expected["dx"]) <= grad_tol
+    assert max_rel_error(dw, expected["dw"]) <= grad_tol
+    assert not np.any(dx[labels == -100])
+
+
 def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gains():
     """Llama-3 70B's head (H=8192): whole, v5p's VMEM leaves 256-token chunks (below the ~350 whose float32
     dw traffic hides) and v6e's 256-column vocab blocks; of two and four hidden tiles the plan prefers the

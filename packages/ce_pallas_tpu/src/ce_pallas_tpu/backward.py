@@ -91,6 +91,11 @@ class BackwardConfig(common.KernelConfig):
     #: and its ``[Hp, block_v]`` ``dw`` slots then fit VMEM beside larger chunks and vocab blocks
     #: (:func:`ce_pallas_tpu.kept_logits.plan_chunks`). Needs ``H`` a whole number of 128-wide tiles.
     hidden_split: int = 1
+    #: Kept-logits mode in hidden tiles: the first tile writes each block's ``delta`` over its kept logits
+    #: (packed, :func:`_tile_cotangent`) and later tiles read it back, so ``delta`` is formed once per
+    #: chunk instead of once per tile, for one more write of the chunk's (bf16: half its) logits' bytes.
+    #: The plan sets it where the schedule measured a gain (:attr:`ce_pallas_tpu.target.ChipFacts.delta_over_logits`).
+    delta_over_logits: bool = False
 
     @property
     def hidden_tile(self) -> int:
@@ -189,11 +194,13 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
     if cfg.kept_logits:
         z_ref = refs.pop(0)
         running_in = refs.pop(0) if cfg.dw_from_running else None
-        dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, *staging = refs
+        dw_hbm, dxp_hbm = refs.pop(0), refs.pop(0)
+        z_hbm = refs.pop(0) if cfg.delta_over_logits else None  # aliased to the kept logits
+        dw_slots, dx_acc, sems, *staging = refs
         if cfg.dw_from_running and cfg.dw_to_running:
             running_in = dw_hbm  # aliased: read and written in place
-        _kept_kernel(x_ref, w_ref, z_ref, rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems, staging,
-                     _token_step(prefetch, cfg), cfg)
+        _kept_kernel(x_ref, w_ref, (z_ref, z_hbm), rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
+                     staging, _token_step(prefetch, cfg), cfg)
         return
     dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
     dw_remainder = rest_buf[0] if rest_buf else None
@@ -222,7 +229,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
         step()
 
 
-def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
+def _kept_kernel(x_ref, w_ref, z_refs, rows: _Rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
                  staging, t: _TokenStep, cfg: BackwardConfig) -> None:
     """Kept-logits mode (:mod:`ce_pallas_tpu.kept_logits`): ``delta`` from the forward's logits; the chunk's
     ``x`` and float32 ``dx`` resident in VMEM; ``dw`` accumulated onto the running sum in two VMEM slots
@@ -230,16 +237,18 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, 
     The first chunk's slots start at zero instead (:attr:`BackwardConfig.dw_from_running`); the last
     chunk's go out through the recompute kernel's staging buffer in ``w``'s dtype
     (:attr:`BackwardConfig.dw_to_running`). The running sum's DMAs follow the grid's positions, so a dead
-    step (:class:`common.LiveBlocks`) still moves ``dw``; only its products and ``dx`` rows are skipped."""
+    step (:class:`common.LiveBlocks`) still moves ``dw``; only its products and ``dx`` rows are skipped. In
+    hidden tiles ``delta`` is formed by the first tile only (:attr:`BackwardConfig.delta_over_logits`)."""
     core, (h, jj) = pl.program_id(0), _hidden_and_vocab_step(pl.program_id(1), cfg)
     i, position = t.block, t.position
     block = core * cfg.nv_per_core + jj
     slot = jj % 2
+    z_ref, z_hbm = z_refs
 
-    def delta_and_dw() -> jax.Array:
-        d = _logit_cotangent(None, w_ref, z_ref, rows, i, block, cfg)
+    def delta_and_dw() -> tuple[jax.Array, Any]:
+        d, delta_write = _tile_cotangent(z_ref, z_hbm, sems, rows, h, i, block, cfg)
         _dw_step(x_ref.at[_token_rows(i, cfg)], d, dw_slots.at[slot], cfg)
-        return d
+        return d, delta_write
 
     def dx(d: jax.Array) -> None:
         _dx_resident_step(w_ref, d, dx_acc.at[_token_rows(i, cfg)], jj, cfg)
@@ -256,16 +265,19 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, 
     def step():
         _prepare_resident_x(x_ref, jj, position, cfg)
         _mask_ragged_operands(None, w_ref, i, block, cfg)
-        common.when_live(t.live, lambda: _mask_ragged_logits(z_ref, i, block, cfg))
+        if not cfg.delta_over_logits:  # there the first tile masks them (:func:`_tile_cotangent`)
+            common.when_live(t.live, lambda: _mask_ragged_logits(z_ref, i, block, cfg))
         _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, position, block, h, cfg)
         if not cfg.dw_from_running:
             _zero_dw(dw_slots.at[slot], position)
         # The dw block's write (at the token walk's end) between the two products: v6e, Llama-3 8B's head, the
         # dx product ahead of it ran at 1.113 of the MXU minimum, 1.062 so. A dead step writes it alone.
         def products_and_write():
-            d = delta_and_dw()
+            d, delta_write = delta_and_dw()
             write_dw()
             dx(d)
+            if delta_write is not None:  # the input buffer it reads is refilled two steps on
+                pl.when(h == 0)(delta_write.wait)
 
         common.when_live(t.live, products_and_write)
         if t.live is not True:
@@ -276,6 +288,33 @@ def _kept_kernel(x_ref, w_ref, z_ref, rows: _Rows, running_in, dw_hbm, dxp_hbm, 
     else:
         step()
     common.when_live(t.live, lambda: _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, h, cfg))
+
+
+def _tile_cotangent(z_ref, z_hbm, sems, rows: _Rows, h, i, block, cfg: BackwardConfig) -> tuple[jax.Array, Any]:
+    """``(delta, its write-back or None)`` of a kept-logits step. Unsplit, ``delta`` from the kept logits.
+    In hidden tiles (:attr:`BackwardConfig.delta_over_logits`) the first tile masks the ragged logits, forms
+    ``delta`` and stores it over them: its bits, exactly the products' operand, packed into the block's first
+    rows (a bf16 ``delta``'s rows in pairs, half the block; a float32 one the whole block), in VMEM and, by a
+    DMA the caller waits for after the products, over the kept logits in HBM. Later tiles unpack that
+    ``delta`` instead of forming it again: no per-logit work."""
+    if not cfg.delta_over_logits:
+        return _logit_cotangent(None, None, z_ref, rows, i, block, cfg), None
+    dtype = common.mxu_dtype(cfg.precision)
+    packed_rows = cfg.block_b * jnp.dtype(dtype).itemsize // 4
+    packed = z_ref.at[pl.ds(0, packed_rows)]
+    window = z_hbm.at[pl.ds(pl.multiple_of(i * cfg.block_b, cfg.block_b), packed_rows),
+                      pl.ds(pl.multiple_of(block * cfg.block_v, cfg.block_v), cfg.block_v)]
+    write = pltpu.make_async_copy(packed, window, sems.at[3])
+
+    @pl.when(h == 0)
+    def _():
+        _mask_ragged_logits(z_ref, i, block, cfg)
+        d = _logit_cotangent(None, None, z_ref, rows, i, block, cfg)
+        packed[...] = d if packed_rows == cfg.block_b else pltpu.bitcast(d, jnp.float32)
+        write.start()
+
+    bits = packed[...]
+    return bits if packed_rows == cfg.block_b else pltpu.bitcast(bits, dtype), write
 
 
 def _hidden_and_vocab_step(j, cfg: BackwardConfig) -> tuple[Any, Any]:
@@ -682,8 +721,8 @@ def backward_call(
     row_scale: jax.Array | None = None,
     kept: tuple[jax.Array, jax.Array | None] | None = None,
     live_blocks: common.LiveBlocks | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """``(dx partials float32 [cores, Np, Hp], dw in w's layout and dtype)``.
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``(dx partials float32 [cores, Np, Hp], dw in w's layout and dtype, kept logits buffer)``.
 
     With ``live_blocks`` (of ``cfg.block_b``-row blocks) every vocab block walks the live token blocks
     only: a dead block is never read and adds nothing, and its rows of the ``dx`` partials are never
@@ -694,6 +733,9 @@ def backward_call(
     ``w``'s layout, padded to ``nv * block_v`` vocab entries (``None`` for the first chunk,
     ``cfg.dw_from_running`` False); the ``dw`` returned is that sum plus this call's (the same buffer:
     donated, aliased), or with ``cfg.dw_to_running`` False the finished ``dw`` in ``w``'s dtype and shape.
+    The third value is the kept logits' buffer as the call leaves it, for the next chunk's forward to write
+    into: the logits, or with :attr:`BackwardConfig.delta_over_logits` ``delta`` over them (donated,
+    aliased); ``None`` without ``kept``.
 
     ``x`` is ``[N, H]``, ``w`` is ``[H, V]`` (``[V, H]`` for ``cfg.w_layout == "vh"``); ``labels``
     (int32), ``row_scale`` (float32, only with ``cfg.with_row_scale``), ``lse``, ``expected`` and the
@@ -709,6 +751,8 @@ def backward_call(
         raise ValueError(f"backward_call: hidden_split={cfg.hidden_split} needs the kept-logits mode and "
                          f"H={cfg.hidden} a whole number of {cfg.hidden_split} tiles of 128 that "
                          f"block_h={cfg.block_h} divides")
+    if cfg.delta_over_logits and not (cfg.kept_logits and cfg.hidden_split > 1):
+        raise ValueError("backward_call: delta_over_logits needs the kept-logits mode in hidden tiles")
     if cfg.kept_logits:
         if kept is None:
             raise ValueError("backward_call: cfg.kept_logits needs kept=(logits, running_dw)")
@@ -729,21 +773,26 @@ def backward_call(
             dw_shape, dw_dtype = padded, jnp.float32
             if running is not None:
                 aliases = {len(operands) - 1: 0}
+        if cfg.delta_over_logits:  # the kept logits come back with delta over them: a third output, in place
+            aliases[len(operands) - 1 - (running is not None)] = 2
     skipping = live_blocks is not None
     if live_blocks is not None:  # the scalar-prefetch operands come first
         operands = [*live_blocks, *operands]
         aliases = {index + 2: out for index, out in aliases.items()}
     axes, operands = common.per_device_operands(operands, cfg.interpret)
-    out_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2  # dw and the dx partials, in HBM (manual DMAs)
     out_shape = [
         common.out_type(dw_shape, dw_dtype, axes),
         common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
+    if cfg.delta_over_logits:
+        assert kept is not None
+        out_shape.append(common.out_type(kept[0].shape, jnp.float32, axes))
+    out_specs = [pl.BlockSpec(memory_space=pl.ANY)] * len(out_shape)  # dw, the dx partials: HBM, manual DMAs
     if cfg.kept_logits:
         scratch = [
             pltpu.VMEM((2, *cfg.dw_acc_shape), jnp.float32),  # dw: two slots the running sum's DMAs fill and empty
             pltpu.VMEM((cfg.padded_n, cfg.hidden_tile), jnp.float32),  # the chunk's dx partial, resident
-            pltpu.SemaphoreType.DMA((3,)),  # dw in, dx out, dw out
+            pltpu.SemaphoreType.DMA((4,)),  # dw in, dx out, dw out, delta over the kept logits
         ]
         if not cfg.dw_to_running:
             scratch += _dw_staging(cfg, dw_dtype)
@@ -756,7 +805,7 @@ def backward_call(
             pltpu.SemaphoreType.DMA((3,)),  # dx rows in, dx rows out, dw out
             *remainder,
         ]
-    dw, dx_partials = pl.pallas_call(
+    dw, dx_partials, *after = pl.pallas_call(
         common.with_prefetch(functools.partial(_backward_kernel, cfg=cfg), skipping),
         # The second axis walks the core's vocab blocks once per hidden tile (:attr:`BackwardConfig.hidden_split`).
         **common.grid_arguments((cfg.num_cores, cfg.hidden_split * cfg.nv_per_core, cfg.nb), in_specs, out_specs,
@@ -778,7 +827,9 @@ def backward_call(
         ),
         name="ce_pallas_tpu_backward",
     )(*operands)
-    return dx_partials, dw
+    if kept is None:
+        return dx_partials, dw, None
+    return dx_partials, dw, after[0] if after else kept[0]
 
 
 def _dw_staging(cfg: BackwardConfig, dtype: Any) -> list[Any]:

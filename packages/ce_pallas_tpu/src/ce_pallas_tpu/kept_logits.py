@@ -359,7 +359,7 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
         while True:
             base = make_plan(size, h, v, x_dtype, w_dtype, spec, target)
             shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
-            backward = _fit_backward(base, shape, budget, floor, explicit, split)
+            backward = _fit_backward(base, shape, budget, floor, explicit, split, target.facts.delta_over_logits)
             if _backward_need(backward, shape) <= budget:
                 return _fit_forward(base, shape, target, budget), backward, size
             if size <= MIN_FITTED_CHUNK:
@@ -367,7 +367,8 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
             size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
     base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
     shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
-    return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256, explicit, split), chunk
+    return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256, explicit, split,
+                                                                   target.facts.delta_over_logits), chunk
 
 
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int) -> ForwardConfig:
@@ -413,12 +414,13 @@ KEPT_MAX_BLOCK_B, KEPT_MAX_BLOCK_V = 1024, 2048
 
 
 def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256,
-                  explicit: bool = False, split: int = 1) -> BackwardConfig:
+                  explicit: bool = False, split: int = 1, delta_over_logits: bool = False) -> BackwardConfig:
     """The kept backward's tiles: explicit ones as given (vocab block halved to fit); by default the
     products over the whole hidden size, the largest token block that divides the chunk (at most
     :data:`KEPT_MAX_BLOCK_B`) and the widest vocab block (at most :data:`KEPT_MAX_BLOCK_V`) whose VMEM fits:
     the vocab block narrowed first, down to ``floor``, then the token block, down to 256."""
-    cfg = dataclasses.replace(base.backward, kept_logits=True, hidden_split=split)
+    cfg = dataclasses.replace(base.backward, kept_logits=True, hidden_split=split,
+                              delta_over_logits=delta_over_logits and split > 1)
     if cfg.hidden_tile % cfg.block_h:
         cfg = dataclasses.replace(cfg, block_h=cfg.hidden_tile)
     if not explicit:
@@ -488,7 +490,7 @@ def row_stats_and_grads(
         if n % rows:  # rows an earlier chunk owned add nothing now
             owned = jnp.arange(rows, dtype=jnp.int32) + start >= first_new
             cotangent = jax.tree.map(lambda g: jnp.where(owned, g, 0.0), cotangent)
-        dx_partials, dw = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, cfg, live_c)
+        dx_partials, dw, logits = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, cfg, live_c)
         # The next chunk's forward writes into this buffer: only once this backward has read it (without
         # the barrier XLA may run that forward first, on a copy: a second logits buffer).
         logits, dw = jax.lax.optimization_barrier((logits, dw))
@@ -517,8 +519,8 @@ def row_stats_and_grads(
 
 def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, cfg: BackwardConfig,
               live: jax.Array | None):
-    """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's)``;
-    dead rows (``live`` false) made inert, dead token blocks skipped."""
+    """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's, the
+    logits' buffer as the kernel leaves it)``; dead rows (``live`` false) made inert, dead token blocks skipped."""
 
     def column(g: jax.Array | None) -> jax.Array | None:
         return None if g is None else g.astype(jnp.float32).reshape(-1, 1)

@@ -283,9 +283,9 @@ def _row_stats_bwd(plan: Plan, residuals, cotangents: RowStats):
         if expected is None or cotangents.expected is None:
             raise ValueError("pallas_tpu: the expected logit's cotangent needs the rows' expected logit")
         expected_column, g_expected = column(expected), column(cotangents.expected)
-    dx_partials, dw = backward_call(x, w, y, column(lse), column(cotangents.lse), column(cotangents.label),
-                                    g_sum, expected_column, g_expected, cfg, row_scale,
-                                    live_blocks=live_blocks(live, cfg.block_b))
+    dx_partials, dw, _ = backward_call(x, w, y, column(lse), column(cotangents.lse), column(cotangents.label),
+                                       g_sum, expected_column, g_expected, cfg, row_scale,
+                                       live_blocks=live_blocks(live, cfg.block_b))
     return merged_dx(dx_partials, plan.n, plan.h, live).astype(x.dtype), dw, None
 
 

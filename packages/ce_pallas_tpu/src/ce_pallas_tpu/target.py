@@ -68,6 +68,12 @@ class ChipFacts:
     #: follow its token blocks instead (two tiles of Llama-3 8B's head at 256- and 512-row blocks: 1.54
     #: and 1.38; four at 1024: 1.21), not fitted.
     delta_columns: float = 0.0
+    #: Whether the kept backward in hidden tiles forms ``delta`` once and writes it over the kept logits
+    #: for the later tiles (:attr:`ce_pallas_tpu.backward.BackwardConfig.delta_over_logits`). libtpu's
+    #: static schedule, bf16, Llama-3 heads, backward over its MXU minimum without -> with: v6e 1.183 ->
+    #: 1.134 (70B, four tiles), 1.179 -> 1.172 (8B, two); v5p 1.063 -> 1.054 (70B, four); v5e 1.032 -> 1.038
+    #: (70B, two: its HBM, not its vector units, is what the split waits on); TPU7x 1.204 -> 1.233 (8B, four).
+    delta_over_logits: bool = False
 
     @property
     def flops_per_byte(self) -> float:
@@ -80,8 +86,9 @@ class ChipFacts:
 CHIP_FACTS: dict[str, ChipFacts] = {
     "v4": ChipFacts(2, 16 * _MIB, 32 * 1024 * _MIB, 137.5e12, 0.615e12),
     "v5e": ChipFacts(1, 128 * _MIB, 16 * 1024 * _MIB, 197e12, 0.82e12),
-    "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12),
-    "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256, delta_columns=320.0),
+    "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12, delta_over_logits=True),
+    "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256, delta_columns=320.0,
+                     delta_over_logits=True),
     # TPU7x (Ironwood): each TensorCore is a device of its own, with 64 MiB of VMEM and half the chip's HBM.
     "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12, mxu_side=256, forward_work_tiles=8.0),
     "default": ChipFacts(1, 16 * _MIB, 16 * 1024 * _MIB, 200e12, 0.8e12),

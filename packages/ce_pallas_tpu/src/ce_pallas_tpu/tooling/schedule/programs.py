@@ -16,10 +16,11 @@ from ce_pallas_tpu.layout import cdiv
 
 def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
                   tiles: tuple[int, int | None, int] | None = None, w_buffers: int | None = None,
-                  hidden_split: int | None = None) -> KernelConfig:
+                  hidden_split: int | None = None, delta_over_logits: bool | None = None) -> KernelConfig:
     """The kernel's config for a problem on the current target, with ``tiles`` ``(block_b, block_h,
     block_v)`` if given (``block_h`` ``None``: the whole hidden dimension); a kept-logits kernel's plan
-    is for one chunk of ``n`` tokens, its backward in ``hidden_split`` hidden tiles if given.
+    is for one chunk of ``n`` tokens, its backward in ``hidden_split`` hidden tiles if given (and forming
+    ``delta`` once over them or not, ``delta_over_logits``, if given).
 
     Unlike explicit ``BlockSizes``, the tiles are not checked against the VMEM model (the
     compile is the judge here), and they apply to this kernel only.
@@ -35,6 +36,8 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
         kept = kept_logits.plan_chunks(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec, chunk_tokens=n,
                                        hidden_split=hidden_split)
         cfg = kept.forward if kernel == "forward" else kept.backward
+        if delta_over_logits is not None and kernel == "backward":
+            cfg = dataclasses.replace(cfg, delta_over_logits=delta_over_logits)
     else:
         plan = ops.make_plan(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec)
         cfg = plan.forward if kernel == "forward" else plan.backward

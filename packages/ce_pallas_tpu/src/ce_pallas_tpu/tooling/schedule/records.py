@@ -32,6 +32,8 @@ class Job:
     keep_logits: bool = False
     #: The kept backward's hidden tiles (``None``: as the plan of one chunk of ``n`` tokens chooses).
     hidden_split: int | None = None
+    #: Whether that backward forms ``delta`` once over its tiles (``None``: as the plan chooses).
+    delta_over_logits: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:

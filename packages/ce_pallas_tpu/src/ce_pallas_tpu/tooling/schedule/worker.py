@@ -35,7 +35,7 @@ def _config(job: Job) -> Any:
     if job.precision is not None:
         spec = dataclasses.replace(spec, precision=job.precision)
     return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers,
-                         job.hidden_split)
+                         job.hidden_split, job.delta_over_logits)
 
 
 def _compile(job: Job, cfg: Any, device: Any) -> None:
