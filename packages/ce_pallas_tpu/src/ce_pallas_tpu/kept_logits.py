@@ -12,7 +12,9 @@ For a loss reduced to a scalar, every token's cotangents are known as soon as it
    :mod:`ce_core.sharded.shard_ops`);
 3. the backward kernel reads the kept logits instead of recomputing them (``BackwardConfig.kept_logits``),
    forms ``delta``, holds the chunk's ``x`` and float32 ``dx`` in VMEM, and adds its ``dw`` onto a float32
-   running sum, whose blocks DMAs bring into two VMEM slots and write back in place. The first chunk
+   running sum, whose blocks DMAs bring into two VMEM slots and write back in place. A wide head's backward
+   takes the hidden size in tiles, each a walk over the vocabulary; on v5p and v6e the first writes
+   ``delta`` over the kept logits and the others read it back (``BackwardConfig.delta_over_logits``). The first chunk
    starts that sum (its slots start at zero, nothing is read) and the last one writes the finished ``dw``
    in ``w``'s dtype and shape, as the recompute kernel does; one chunk does both, with no running sum.
 
@@ -229,9 +231,11 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
     written: the first chunk only writes it, the last reads it and writes ``dw`` in ``w``'s dtype). Each
     backward also forms ``delta`` from every logit, once per hidden tile, at the cost of
     ``ChipFacts.delta_columns`` MXU columns (v6e: what makes two tiles of Llama-3 8B's head 1.18 of their
-    MXU minimum against 1.06 whole). The statistics, ``x`` and ``dx`` move ``[N]``- and ``[N, H]``-sized
-    bytes on both paths, left out. This is what decides ``keep_logits=None`` and the plan
-    (:func:`plan_chunks`); libtpu's static schedule checks it (``docs/benchmarks.md``).
+    MXU minimum against 1.06 whole; formed once and read back by later tiles, ``delta_over_logits``, they
+    still run 1.17: the per-tile charge stands for what a tile costs beyond its products, not ``delta``
+    alone). The statistics, ``x`` and ``dx`` move ``[N]``- and ``[N, H]``-sized bytes on both paths, left out.
+    This is what decides ``keep_logits=None`` and the plan (:func:`plan_chunks`); libtpu's static schedule
+    checks it (``docs/benchmarks.md``).
     """
     cores = target.num_cores
     flops, bandwidth = target.facts.bf16_flops * cores, target.facts.hbm_bytes_per_s * cores

@@ -66,13 +66,15 @@ class ChipFacts:
     #: v6e 1.26 / 1.18 / 1.10 / 1.06 of the MXU minimum at tiles of 1536 / 2048 / 2304 / 4096 columns;
     #: v5e and v5p flat (1.03 and 1.06-1.10 from 896 to 8192 columns: nothing to fit); TPU7x's figures
     #: follow its token blocks instead (two tiles of Llama-3 8B's head at 256- and 512-row blocks: 1.54
-    #: and 1.38; four at 1024: 1.21), not fitted.
+    #: and 1.38; four at 1024: 1.21), not fitted. With ``delta`` formed once (:attr:`delta_over_logits`) v6e's
+    #: two tiles still run 1.17: the per-tile cost is the tile's walk, not ``delta`` alone; the fit stands.
     delta_columns: float = 0.0
     #: Whether the kept backward in hidden tiles forms ``delta`` once and writes it over the kept logits
     #: for the later tiles (:attr:`ce_pallas_tpu.backward.BackwardConfig.delta_over_logits`). libtpu's
     #: static schedule, bf16, Llama-3 heads, backward over its MXU minimum without -> with: v6e 1.183 ->
     #: 1.134 (70B, four tiles), 1.179 -> 1.172 (8B, two); v5p 1.063 -> 1.054 (70B, four); v5e 1.032 -> 1.038
-    #: (70B, two: its HBM, not its vector units, is what the split waits on); TPU7x 1.204 -> 1.233 (8B, four).
+    #: (70B, two: its HBM, not its vector units, is what the split waits on); TPU7x 1.204 -> 1.233 (8B, four;
+    #: 70B's 128-row blocks 2.008 -> 1.932, but its plans are 8B-like heads'). On where it gains.
     delta_over_logits: bool = False
 
     @property
