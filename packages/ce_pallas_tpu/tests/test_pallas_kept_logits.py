@@ -282,6 +282,40 @@ def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gain
         backward_call(x, w, column.astype(jnp.int32), column, column, column, None, None, None, wrong)
 
 
+def test_the_kept_forward_grows_its_token_block_where_the_logits_writes_would_not_hide():
+    """The kept forward writes 2 / Hp float32 bytes a flop beside ``w``'s reads: Qwen2.5-1.5B's tied head
+    (H=1536) on v6e (560 flops a byte) moves more than its matmuls hide at the recompute forward's
+    1024-row blocks, so the kept forward takes the 4096-token chunk in one block, its vocab block
+    narrowed to fit VMEM; Llama-3 8B's 1536-token chunks (16384 tokens) go from 768 rows to 1536. Where
+    the traffic hides (v5p) the token block is the recompute forward's, and explicit tiles stay."""
+    from ce_pallas_tpu import cost_model, ops
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+    from ce_pallas_tpu.tiling import vmem_budget
+
+    bf16 = jnp.bfloat16
+    v5p, v6e = (Target(gen, CHIP_FACTS[gen].num_cores, None) for gen in ("v5p", "v6e"))
+    tied = StatsSpec(w_layout="vh")
+    plan = kept_logits.plan_chunks(16384, 1536, 151936, bf16, bf16, tied, v6e)
+    shape = ops.problem_shape(plan.chunk, 1536, 151936, bf16, bf16, tied)
+    recompute = ops.make_plan(plan.chunk, 1536, 151936, bf16, bf16, tied, v6e).forward
+    f = plan.forward
+    assert (plan.chunk, f.block_b, f.padded_n) == (4096, 4096, 4096) and f.block_v < recompute.block_v
+    assert not kept_logits._kept_forward_hides(recompute.block_b, shape, v6e)
+    assert kept_logits._kept_forward_hides(f.block_b, shape, v6e)
+    need = cost_model.forward_bytes(shape, f.block_b, f.block_h, f.block_v, chip=v6e.facts) + 8 * f.block_b * f.block_v
+    assert need <= vmem_budget(v6e)
+    llama = kept_logits.plan_chunks(16384, 4096, 128256, bf16, bf16, StatsSpec(), v6e)
+    assert (llama.chunk, llama.forward.block_b) == (1536, 1536)
+    on_v5p = kept_logits.plan_chunks(16384, 1536, 151936, bf16, bf16, tied, v5p)
+    base = ops.make_plan(on_v5p.chunk, 1536, 151936, bf16, bf16, tied, v5p)
+    shape = ops.problem_shape(on_v5p.chunk, 1536, 151936, bf16, bf16, tied)
+    halved_only = kept_logits._fit_forward(base, shape, v5p, vmem_budget(v5p), explicit=True)  # no growth
+    assert on_v5p.forward == dataclasses.replace(halved_only, n=on_v5p.chunk)
+    assert kept_logits._kept_forward_hides(on_v5p.forward.block_b, shape, v5p)
+    explicit = StatsSpec(w_layout="vh", block_sizes=BlockSizes(1024, None, 4096))
+    assert kept_logits.plan_chunks(16384, 1536, 151936, bf16, bf16, explicit, v6e).forward.block_b == 1024
+
+
 def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interpret):
     interpret("v5p")
     from ce_core import StatsSpec

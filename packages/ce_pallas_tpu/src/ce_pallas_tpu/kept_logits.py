@@ -365,23 +365,24 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
             shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
             backward = _fit_backward(base, shape, budget, floor, explicit, split, target.facts.delta_over_logits)
             if _backward_need(backward, shape) <= budget:
-                return _fit_forward(base, shape, target, budget), backward, size
+                return _fit_forward(base, shape, target, budget, explicit), backward, size
             if size <= MIN_FITTED_CHUNK:
                 break
             size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
     base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
     shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
-    return _fit_forward(base, shape, target, budget), _fit_backward(base, shape, budget, 256, explicit, split,
+    return _fit_forward(base, shape, target, budget, explicit), _fit_backward(base, shape, budget, 256, explicit, split,
                                                                    target.facts.delta_over_logits), chunk
 
 
-def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int) -> ForwardConfig:
+def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int, explicit: bool) -> ForwardConfig:
     """The kept forward's tiles: the recompute forward's, its token block halved while they and the kept
     logits' blocks do not fit VMEM, except that where half the token block would no longer hide a ``w``
     block's read under its matmuls (fewer rows than the chip's flops per ``w`` byte: v6e 560 for bf16)
     the vocab block is halved instead, down to :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths (Llama-3 70B's
     head on v6e, 1536-token chunks: 384 x 2048 tiles ran at 1.54 of the MXU minimum, every ``w`` block
-    read for 384 rows)."""
+    read for 384 rows). Unless the caller set the tiles, the token block then grows where the kept logits'
+    writes would not hide (:func:`_grown_for_kept_writes`)."""
     cfg = dataclasses.replace(base.forward, keep_logits=True)
     hiding_rows = target.facts.flops_per_byte * shape.w_bytes / 2  # 2 flops per row and w element
     narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
@@ -391,6 +392,38 @@ def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: in
             cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
         else:
             cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
+    return cfg if explicit else _grown_for_kept_writes(cfg, shape, target, budget)
+
+
+def _kept_forward_hides(block_b: int, shape: cost_model.Shape, target: Target) -> bool:
+    """Whether the kept forward's HBM traffic hides under its matmuls: per flop it reads ``w_bytes /
+    (2 block_b)`` bytes of ``w`` (a ``w`` block per step, for ``block_b`` rows) and writes ``2 / Hp`` of
+    float32 logits, against the chip's ``1 / flops_per_byte``."""
+    return shape.w_bytes / (2 * block_b) + 2 / shape.hp <= 1 / target.facts.flops_per_byte
+
+
+def _grown_for_kept_writes(cfg: ForwardConfig, shape: cost_model.Shape, target: Target,
+                           budget: int) -> ForwardConfig:
+    """The kept forward's token block doubled, within the chunk's rows, while its traffic does not hide
+    (:func:`_kept_forward_hides`), its vocab block halved (down to :data:`PREFERRED_BLOCK_V_WIDTHS` MXU
+    widths) where the doubled blocks would not fit VMEM. The recompute forward's token block hides ``w``
+    alone; the float32 logits written add ``2 / Hp`` bytes per flop, which on v6e (560 flops per byte)
+    leaves a narrow head's forward HBM-bound at that block: Qwen2.5-1.5B's, 1024 x 4096 tiles of a
+    4096-token chunk, moves 1.31 times what its MXU time hides; 4096 x 1024 tiles run at 1.04 of the MXU
+    minimum. Where ``Hp <= 2 flops_per_byte`` nothing hides; fewer ``w`` reads still cut the traffic."""
+    narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
+
+    def need(trial: ForwardConfig) -> int:
+        return (cost_model.forward_bytes(shape, trial.block_b, trial.block_h, trial.block_v, chip=target.facts)
+                + 2 * 4 * trial.block_b * trial.block_v)
+
+    while not _kept_forward_hides(cfg.block_b, shape, target) and cfg.padded_n % (2 * cfg.block_b) == 0:
+        trial = dataclasses.replace(cfg, block_b=2 * cfg.block_b)
+        while need(trial) > budget and trial.block_v // 2 >= narrowest and trial.block_v % 256 == 0:
+            trial = dataclasses.replace(trial, block_v=trial.block_v // 2)
+        if need(trial) > budget:
+            break
+        cfg = trial
     return cfg
 
 
