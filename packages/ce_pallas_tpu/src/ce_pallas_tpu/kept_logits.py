@@ -274,18 +274,16 @@ def budgeted_plan(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Stat
 def choose(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
            target: Target | None = None, budget_bytes: int | None = None) -> KeptPlan | None:
     """The kept-logits plan for a scalar loss's gradient under ``keep_logits=None``, or ``None`` for the
-    recompute: kept where the forward's logits can be written under its matmuls (``H`` at least twice the
-    chip's flops per HBM byte: v6e from 1120, v5e from 480), its :attr:`KeptPlan.extra_bytes` fit
-    ``budget_bytes`` (default :func:`keep_logits_budget`; the chunk shrinks to fit, :func:`budgeted_plan`)
-    and :func:`estimated_seconds` has it faster. (The first test: in libtpu's static schedule, v6e's
-    Qwen2.5-0.5B and Qwen3-0.6B heads kept their logits at 1.135 and 1.072 of the 8NHV minimum, the
-    HBM-bound forward and a backward at 1.28-1.37 of its MXU minimum, against about 1.08 recomputing,
-    where the roofline alone said 0.85.)"""
+    recompute: kept where its :attr:`KeptPlan.extra_bytes` fit ``budget_bytes`` (default
+    :func:`keep_logits_budget`; the chunk shrinks to fit, :func:`budgeted_plan`) and
+    :func:`estimated_seconds` has it faster. Where ``H`` is below twice the chip's flops per HBM byte (v6e:
+    1120) the forward's float32 logits cannot hide under its matmuls, yet keeping still pays there: in
+    libtpu's static schedule v6e's Qwen2.5-0.5B and Qwen3-0.6B heads (4096 tokens) take 5.51 ms kept against
+    5.93 and 6.06 recomputing (until 2026-11-30 they recomputed, by a comparison that put the recompute
+    kernels' ratios over the padded ``Hp`` beside the kept step's over ``H``)."""
     target = current_target() if target is None else target
     if n == 0:
         return None
-    if h < 2 * target.facts.flops_per_byte:
-        return None  # the forward's float32 logits (4 bytes per 2H flops) cannot hide under its matmuls
     budget = keep_logits_budget(target) if budget_bytes is None else budget_bytes
     plan = budgeted_plan(n, h, v, x_dtype, w_dtype, spec, target, budget)
     if plan.extra_bytes > budget:
