@@ -288,7 +288,7 @@ def test_the_kept_forward_grows_its_token_block_where_the_logits_writes_would_no
     1024-row blocks, so the kept forward takes the 4096-token chunk in one block, its vocab block
     narrowed to fit VMEM; Llama-3 8B's 1536-token chunks (16384 tokens) go from 768 rows to 1536. Where
     the traffic hides (v5p) the token block is the recompute forward's, and explicit tiles stay."""
-    from ce_pallas_tpu import cost_model, ops
+    from ce_pallas_tpu import ops
     from ce_pallas_tpu.target import CHIP_FACTS, Target
     from ce_pallas_tpu.tiling import vmem_budget
 
@@ -302,8 +302,7 @@ def test_the_kept_forward_grows_its_token_block_where_the_logits_writes_would_no
     assert (plan.chunk, f.block_b, f.padded_n) == (4096, 4096, 4096) and f.block_v < recompute.block_v
     assert not kept_logits._kept_forward_hides(recompute.block_b, shape, v6e)
     assert kept_logits._kept_forward_hides(f.block_b, shape, v6e)
-    need = cost_model.forward_bytes(shape, f.block_b, f.block_h, f.block_v, chip=v6e.facts) + 8 * f.block_b * f.block_v
-    assert need <= vmem_budget(v6e)
+    assert kept_logits._forward_need(f, shape, v6e) <= vmem_budget(v6e)
     llama = kept_logits.plan_chunks(16384, 4096, 128256, bf16, bf16, StatsSpec(), v6e)
     assert (llama.chunk, llama.forward.block_b) == (1536, 1536)
     on_v5p = kept_logits.plan_chunks(16384, 1536, 151936, bf16, bf16, tied, v5p)

@@ -384,13 +384,18 @@ def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: in
     cfg = dataclasses.replace(base.forward, keep_logits=True)
     hiding_rows = target.facts.flops_per_byte * shape.w_bytes / 2  # 2 flops per row and w element
     narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
-    while (cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
-           + 2 * 4 * cfg.block_b * cfg.block_v > budget and cfg.block_b > 8 and cfg.block_b % 16 == 0):
+    while _forward_need(cfg, shape, target) > budget and cfg.block_b > 8 and cfg.block_b % 16 == 0:
         if cfg.block_b // 2 < hiding_rows and cfg.block_v // 2 >= narrowest and cfg.block_v % 256 == 0:
             cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
         else:
             cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
     return cfg if explicit else _grown_for_kept_writes(cfg, shape, target, budget)
+
+
+def _forward_need(cfg: ForwardConfig, shape: cost_model.Shape, target: Target) -> int:
+    """VMEM of the kept forward: the forward's model plus two float32 blocks of the logits it writes."""
+    return (cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
+            + 2 * 4 * cfg.block_b * cfg.block_v)
 
 
 def _kept_forward_hides(block_b: int, shape: cost_model.Shape, target: Target) -> bool:
@@ -410,16 +415,12 @@ def _grown_for_kept_writes(cfg: ForwardConfig, shape: cost_model.Shape, target: 
     4096-token chunk, moves 1.31 times what its MXU time hides; 4096 x 1024 tiles run at 1.04 of the MXU
     minimum. Where ``Hp <= 2 flops_per_byte`` nothing hides; fewer ``w`` reads still cut the traffic."""
     narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
-
-    def need(trial: ForwardConfig) -> int:
-        return (cost_model.forward_bytes(shape, trial.block_b, trial.block_h, trial.block_v, chip=target.facts)
-                + 2 * 4 * trial.block_b * trial.block_v)
-
     while not _kept_forward_hides(cfg.block_b, shape, target) and cfg.padded_n % (2 * cfg.block_b) == 0:
         trial = dataclasses.replace(cfg, block_b=2 * cfg.block_b)
-        while need(trial) > budget and trial.block_v // 2 >= narrowest and trial.block_v % 256 == 0:
+        while (_forward_need(trial, shape, target) > budget and trial.block_v // 2 >= narrowest
+               and trial.block_v % 256 == 0):
             trial = dataclasses.replace(trial, block_v=trial.block_v // 2)
-        if need(trial) > budget:
+        if _forward_need(trial, shape, target) > budget:
             break
         cfg = trial
     return cfg
