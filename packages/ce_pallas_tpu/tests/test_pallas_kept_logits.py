@@ -315,6 +315,42 @@ def test_the_kept_forward_grows_its_token_block_where_the_logits_writes_would_no
     assert kept_logits.plan_chunks(16384, 1536, 151936, bf16, bf16, explicit, v6e).forward.block_b == 1024
 
 
+def test_the_kept_forward_fits_vmem_with_the_most_logits_a_step_and_the_most_rows_on_a_tie():
+    """Where the recompute forward's tiles and the kept logits' blocks do not fit VMEM, the kept forward
+    takes the fitting halvings with the largest step, the most rows on a tie: v5p, Llama-3 8B's head in
+    512-token chunks, 512 x 1024 (1.032 of its MXU minimum in libtpu's schedule), not 256 x 2048 (1.054);
+    TPU7x, Qwen2.5-0.5B's tied head, 1024 x 2048, where 2048 x 1024 does not fit and 1024 x 1024 would."""
+    from ce_pallas_tpu import ops
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+    from ce_pallas_tpu.tiling import vmem_budget
+
+    bf16 = jnp.bfloat16
+    for gen, h, v, spec, chosen in (("v5p", 4096, 128256, StatsSpec(), (512, 1024)),
+                                    ("tpu7x", 896, 151936, StatsSpec(w_layout="vh"), (1024, 2048))):
+        target = Target(gen, CHIP_FACTS[gen].num_cores, None)
+        plan = kept_logits.plan_chunks(4096, h, v, bf16, bf16, spec, target)
+        base = ops.make_plan(plan.chunk, h, v, bf16, bf16, spec, target)
+        shape = ops.problem_shape(plan.chunk, h, v, bf16, bf16, spec)
+        budget = vmem_budget(target)
+
+        def need(block_b: int, block_v: int, base=base, shape=shape, target=target) -> int:
+            tiles = dataclasses.replace(base.forward, keep_logits=True, block_b=block_b, block_v=block_v)
+            return kept_logits._forward_need(tiles, shape, target)
+
+        recompute = (base.forward.block_b, base.forward.block_v)
+        assert need(*recompute) > budget  # the rule's case
+        fitted = kept_logits._fit_forward(base, shape, target, budget, explicit=True)  # before any growth
+        b, bv = fitted.block_b, fitted.block_v
+        assert (b, bv) == chosen and need(b, bv) <= budget
+        assert need(2 * b, bv) > budget or 2 * b > recompute[0]  # no larger step fits
+        assert need(b, 2 * bv) > budget or 2 * bv > recompute[1]
+        if 2 * bv <= recompute[1]:  # as many logits, fewer rows: fits too, not taken
+            assert need(b // 2, 2 * bv) <= budget
+        if 2 * b <= recompute[0]:  # as many logits, more rows: does not fit
+            assert need(2 * b, bv // 2) > budget
+        assert (plan.forward.block_b, plan.forward.block_v) == chosen
+
+
 def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interpret):
     interpret("v5p")
     from ce_core import StatsSpec

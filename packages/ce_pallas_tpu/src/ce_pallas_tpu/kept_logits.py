@@ -148,9 +148,10 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     ``chunk_tokens`` (default :data:`CHUNK_TOKENS`, read now, or :func:`default_chunk`) bounds the chunk,
     ``hidden_split`` (default :data:`HIDDEN_SPLIT`, read now) fixes the backward's hidden tiles.
 
-    The tiles are the recompute path's for a chunk, adjusted to the VMEM budget: the forward's token
-    block halved while its kept-logits blocks do not fit; the backward, which holds the chunk's ``x``
-    and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its vocab block halved down to
+    The tiles are the recompute path's for a chunk, adjusted to the VMEM budget: the forward's halved
+    to the largest step that fits with its kept-logits blocks (:func:`_fit_forward`); the backward, which
+    holds the chunk's ``x`` and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its
+    vocab block halved down to
     :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, then the chunk, its hidden size whole or in tiles
     (:func:`_fits`). Of those fits and (where the chunk is the default's) of up to twice their fewest
     chunks over ``n``, holding at most :data:`PLAN_MEMORY_GROWTH` times the preferred plan's extra HBM, the
@@ -374,22 +375,36 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
 
 
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int, explicit: bool) -> ForwardConfig:
-    """The kept forward's tiles: the recompute forward's, its token block halved while they and the kept
-    logits' blocks do not fit VMEM, except that where half the token block would no longer hide a ``w``
-    block's read under its matmuls (fewer rows than the chip's flops per ``w`` byte: v6e 560 for bf16)
-    the vocab block is halved instead, down to :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths (Llama-3 70B's
-    head on v6e, 1536-token chunks: 384 x 2048 tiles ran at 1.54 of the MXU minimum, every ``w`` block
-    read for 384 rows). Unless the caller set the tiles, the token block then grows where the kept logits'
-    writes would not hide (:func:`_grown_for_kept_writes`)."""
+    """The kept forward's tiles: the recompute forward's where they and the kept logits' blocks fit VMEM,
+    else :func:`_largest_fitting_forward`'s. Unless the caller set the tiles, the token block then grows
+    where the kept logits' writes would not hide (:func:`_grown_for_kept_writes`)."""
     cfg = dataclasses.replace(base.forward, keep_logits=True)
-    hiding_rows = target.facts.flops_per_byte * shape.w_bytes / 2  # 2 flops per row and w element
-    narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
-    while _forward_need(cfg, shape, target) > budget and cfg.block_b > 8 and cfg.block_b % 16 == 0:
-        if cfg.block_b // 2 < hiding_rows and cfg.block_v // 2 >= narrowest and cfg.block_v % 256 == 0:
-            cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
-        else:
-            cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
+    if _forward_need(cfg, shape, target) > budget:
+        cfg = _largest_fitting_forward(cfg, shape, target, budget)
     return cfg if explicit else _grown_for_kept_writes(cfg, shape, target, budget)
+
+
+def _largest_fitting_forward(cfg: ForwardConfig, shape: cost_model.Shape, target: Target,
+                             budget: int) -> ForwardConfig:
+    """Of ``cfg``'s token block halved any number of times and its vocab block halved down to
+    :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, the tiles that fit VMEM with the most logits a step, the
+    most rows on a tie (the smallest, if none fits: the compile will say so). A step's work outside the
+    MXU and its ``w`` block's read shrink per row as the token block grows: in libtpu's schedule a
+    512 x 1024 tile of Llama-3 8B's head on v5p runs at 1.032 of its MXU minimum against 1.054 for
+    256 x 2048, 1024 x 1024 of Qwen2.5-1.5B's at 1.040 against 1.058 for 512 x 2048 (Llama-3 70B's head
+    on v6e, 1536-token chunks: 384 x 2048 ran at 1.54, every ``w`` block read for 384 rows)."""
+    narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
+    widths = [cfg.block_v]
+    while widths[-1] // 2 >= narrowest and widths[-1] % 256 == 0:
+        widths.append(widths[-1] // 2)
+    rows = [cfg.block_b]
+    while rows[-1] > 8 and rows[-1] % 16 == 0:
+        rows.append(rows[-1] // 2)
+    trials = [dataclasses.replace(cfg, block_b=b, block_v=v) for b in rows for v in widths]
+    fitting = [trial for trial in trials if _forward_need(trial, shape, target) <= budget]
+    if not fitting:
+        return trials[-1]
+    return max(fitting, key=lambda trial: (trial.block_b * trial.block_v, trial.block_b))
 
 
 def _forward_need(cfg: ForwardConfig, shape: cost_model.Shape, target: Target) -> int:
