@@ -127,16 +127,19 @@ def test_the_8nhv_minimum_uses_the_chip_peak() -> None:
     assert step_schedule.minimum_ms("v5e", 8192, 4096, 128256) == pytest.approx(174.8, abs=0.05)
 
 
-def _fake_ops(generation: str, path: str, n: int, h: int, v: int) -> step.StepOps:
+def _fake_ops(generation: str, path: str, n: int, h: int, v: int, loop: tuple[int, int] | None = None) -> step.StepOps:
     clock = SCHEDULE_CHIPS[generation].clock_hz
     per_token_ms = 0.01 if path == "materialised" else 0.001
     cycles = (0.5 + per_token_ms * n) * clock / 1e3
     return step.StepOps(n, kernel_cycles=123.0, xla_cycles=cycles, ops=3)
 
 
-def _fake_kernels(shapes: list[Shape], kernels: tuple[str, ...]) -> list[dict[str, Any]]:
-    return [{"kernel": k, "kernel_us": 20_000.0, "hbm_floor_us": 1_000.0, "error": None}
-            for _ in shapes for k in kernels]
+def _fake_kernels(shapes: list[Shape], kernels: tuple[str, ...],
+                  loops: list[tuple[int, int] | None]) -> list[dict[str, Any]]:
+    """20 ms a kernel (per chunk where the path loops: ``repeats`` chunks)."""
+    return [{"kernel": k, "kernel_us": 20_000.0, "hbm_floor_us": 1_000.0, "error": None,
+             **({"repeats": -(-shape.n // loop[0])} if loop else {})}
+            for shape, loop in zip(shapes, loops, strict=True) for k in kernels]
 
 
 def test_records_carry_the_estimate_its_ratios_and_the_baseline() -> None:
@@ -163,6 +166,41 @@ def test_records_carry_the_estimate_its_ratios_and_the_baseline() -> None:
     assert "est. / 8NHV" in header and "baseline ms" in header
     assert "256,512 (linear to 8192)" in rows[0]
     json.dumps(records)  # plain JSON
+
+
+def test_the_kept_step_is_compiled_at_its_full_size_plans_chunks_with_that_loop_pinned() -> None:
+    """The keep_logits path's small compiles are whole multiples of the chunk its plan takes at the shape's
+    own N, with that chunk and hidden split pinned: v6e, Llama-3 70B's head, 16384 tokens in 2048-token
+    chunks (not the default chunk's 2560), where a plan of 4096 tokens left to itself takes one chunk."""
+    import jax.numpy as jnp
+
+    from ce_core import StatsSpec
+    from ce_pallas_tpu import kept_logits
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+    n, h, v = 16384, 8192, 128256
+    v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
+    full = kept_logits.plan_chunks(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(keep_logits=True), v6e)
+    assert step.loop_plan("keep_logits", "v6e", n, h, v) == (full.chunk, full.backward.hidden_split)
+    assert step.loop_plan("materialised", "v6e", n, h, v) is None
+    small = kept_logits.plan_chunks(2 * full.chunk, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(keep_logits=True),
+                                    v6e)
+    assert small.chunk != full.chunk != kept_logits.default_chunk(h, 2, v6e)  # why the loop is pinned
+    asked: list[tuple[int, tuple[int, int] | None]] = []
+
+    def ops(generation: str, path: str, tokens: int, h_: int, v_: int, loop: tuple[int, int] | None) -> step.StepOps:
+        asked.append((tokens, loop))
+        return _fake_ops(generation, path, tokens, h_, v_, loop)
+
+    [record] = step_schedule.run_step_schedule("v6e", [Shape(n, h, v)], ["keep_logits"], quiet=True,
+                                               measure_ops=ops, kernel_schedule=_fake_kernels)
+    loop = (full.chunk, full.backward.hidden_split)
+    assert asked == [(full.chunk, loop), (2 * full.chunk, loop)]
+    assert record["loop_chunk"] == full.chunk and record["loop_hidden_tiles"] == full.backward.hidden_split
+    assert record["ops_tokens"] == [full.chunk, 2 * full.chunk]
+    # The kernels from their grid fit at one chunk, once a chunk (the small compiles' kernels not counted).
+    assert record["kernels_ms"] == pytest.approx(2 * 20.0 * full.chunks)
+    assert record["ops_ms"] == pytest.approx(0.5 + 0.001 * n)
 
 
 def test_a_path_that_does_not_exist_yet_is_skipped_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,6 +53,23 @@ def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequ
     return records
 
 
+def run_kept_schedule(target: str, shapes: Sequence[Shape], loops: Sequence[tuple[int, int]], dtype: str,
+                      kernels: Sequence[str] = KERNELS, *, quiet: bool = False) -> list[dict[str, Any]]:
+    """One record per shape and kernel of the kept-logits path (``keep_logits=True``): each kernel at one
+    chunk of ``loops[i] = (chunk, hidden tiles)`` (the plan's, ``step.loop_plan``), its ``repeats`` the
+    chunks over the shape's N (a step runs the kernels once a chunk)."""
+    from ce_pallas_tpu.tooling import schedule
+
+    jobs = [schedule.Job(kernel, chunk, shape.h, shape.v, x_dtype=dtype, w_dtype=dtype, keep_logits=True,
+                         hidden_split=split)
+            for shape, (chunk, split) in zip(shapes, loops, strict=True) for kernel in kernels]
+    records = [record.to_json() for record in schedule.measure(target, jobs, quiet=quiet)]
+    for index, record in enumerate(records):
+        shape, (chunk, _) = shapes[index // len(kernels)], loops[index // len(kernels)]
+        record["shape"], record["repeats"] = shape.label, -(-shape.n // chunk)
+    return records
+
+
 def _tiles(record: dict[str, Any]) -> str:
     return "-" if record["tiles"] is None else "/".join(str(t) for t in record["tiles"])
 

@@ -84,14 +84,14 @@ class _OpsCache:
     def __init__(self, measure: Callable[..., Any], quiet: bool) -> None:
         self.measure, self.quiet, self.cache = measure, quiet, {}
 
-    def get(self, generation: str, path: str, n: int, h: int, v: int) -> Any:
+    def get(self, generation: str, path: str, n: int, h: int, v: int, loop: tuple[int, int] | None = None) -> Any:
         import sys
         import time
 
-        key = (generation, path, n, h, v)
+        key = (generation, path, n, h, v, loop)
         if key not in self.cache:
             start = time.perf_counter()
-            self.cache[key] = self.measure(generation, path, n, h, v)
+            self.cache[key] = self.measure(generation, path, n, h, v, loop)
             if not self.quiet:
                 ops = self.cache[key]
                 aborted = " (profiler aborted; see the record)" if ops.abort else ""
@@ -115,7 +115,8 @@ def step_record(generation: str, shape: Shape, path: str, points: dict[int, Any]
     totals = {t: (ops.xla_cycles + (ops.kernel_cycles if with_kernels else 0.0)) / clock_hz * 1e3
               for t, ops in points.items()}
     ops_ms, residual = extrapolate(totals, n)
-    kernels_ms = sum(estimated_ms(record) for record in kernel_records) if kernel_records else None
+    kernels_ms = (sum(estimated_ms(record) * record.get("repeats", 1) for record in kernel_records)
+                  if kernel_records else None)
     est_ms = ops_ms + (kernels_ms or 0.0)
     minimum = minimum_ms(generation, n, shape.h, shape.v)
     estimated_ops = sorted({name for ops in points.values() for name in ops.estimated_ops})
@@ -144,19 +145,18 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
     """One record per shape and path (in that order); ``baseline_ms`` is the materialised path's
     ``est_ms`` at the same shape where that path is measured. ``measure_ops`` and ``kernel_schedule``
     replace the compiles (tests)."""
-    from ce_bench.schedule import run_schedule
     from ce_pallas_tpu.tooling.schedule import step
     from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
 
     clock_hz = SCHEDULE_CHIPS[target].clock_hz
-    ops_cache = _OpsCache(measure_ops or (lambda g, p, n, h, v: step.measure_step_ops(g, p, n, h, v, dtype)), quiet)
+    ops_cache = _OpsCache(measure_ops or (lambda g, p, n, h, v, loop: step.measure_step_ops(g, p, n, h, v, dtype,
+                                                                                            loop=loop)), quiet)
     kernel_records: dict[tuple[str, Shape], list[dict[str, Any]]] = {}
     for path in paths:
         kernels = step.KERNELS_FROM_FIT.get(path)
         if kernels and step.path_unavailable(path) is None:
-            schedule_fn = kernel_schedule or (lambda shapes_, kernels_: run_schedule(target, shapes_, dtype, kernels_,
-                                                                                      quiet=quiet))
-            found = schedule_fn(list(shapes), kernels)
+            loops = [step.loop_plan(path, target, shape.n, shape.h, shape.v, dtype) for shape in shapes]
+            found = (kernel_schedule or _kernel_schedule(target, dtype, quiet))(list(shapes), kernels, loops)
             for index, shape in enumerate(shapes):
                 kernel_records[(path, shape)] = found[index * len(kernels):(index + 1) * len(kernels)]
     records = []
@@ -173,11 +173,14 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
                 failed = [r["error"] for r in kernels_found if r.get("error")]
                 if failed:
                     raise RuntimeError(f"kernel schedule failed: {failed[0]}")
-                chunk = step.loop_chunk(path, target, shape.h, dtype)
-                points = {t: ops_cache.get(target, path, t, shape.h, shape.v)
+                loop = step.loop_plan(path, target, shape.n, shape.h, shape.v, dtype)
+                chunk = loop[0] if loop else None
+                points = {t: ops_cache.get(target, path, t, shape.h, shape.v, loop)
                           for t in small_token_counts(path, shape.n, tokens, chunk)}
                 record = step_record(target, shape, path, points, kernels_found, clock_hz)
                 record["loop_chunk"] = chunk
+                if loop:
+                    record["loop_hidden_tiles"] = loop[1]
                 if path == "materialised":
                     record["loss_library"] = step.materialised_library()
                 records.append(record)
@@ -186,6 +189,19 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
                 records.append({**base, "error": f"{type(error).__name__}: {message[0][:300] if message else ''}"})
     fill_baselines(records)
     return records
+
+
+def _kernel_schedule(target: str, dtype: str, quiet: bool) -> Callable[..., list[dict[str, Any]]]:
+    """The grid fit of a path's kernels: over the whole N, or per chunk where the path loops (``loops``)."""
+    from ce_bench.schedule import run_kept_schedule, run_schedule
+
+    def schedule(shapes: list[Shape], kernels: tuple[str, ...], loops: list[tuple[int, int] | None]):
+        if all(loop is None for loop in loops):
+            return run_schedule(target, shapes, dtype, kernels, quiet=quiet)
+        return run_kept_schedule(target, shapes, [loop for loop in loops if loop is not None], dtype, kernels,
+                                 quiet=quiet)
+
+    return schedule
 
 
 def fill_baselines(records: Sequence[dict[str, Any]]) -> None:

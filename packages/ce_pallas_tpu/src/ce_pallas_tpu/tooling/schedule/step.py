@@ -43,8 +43,11 @@ from ce_pallas_tpu.tooling.schedule.dumps import _OPERANDS_IN_HBM as OPERANDS_IN
 
 #: Whole-step paths; each builds ``loss(x, labels, w) -> scalar`` (see :func:`step_loss`).
 STEP_PATHS = ("recompute", "materialised", "keep_logits")
-#: Paths whose pallas kernels are timed by the existing grid fit at full size (their XLA ops come from the step).
-KERNELS_FROM_FIT = {"recompute": ("forward", "backward")}
+#: Paths whose pallas kernels are timed by the existing grid fit at full size (their XLA ops come from the step):
+#: the recompute kernels over all N; the kept-logits kernels at one chunk of its plan, times the chunks
+#: (:func:`loop_plan`). The small compiles' own kernels are not counted for them (on v5p the profiler aborts
+#: on an XLA op of the step before the kernels are walked).
+KERNELS_FROM_FIT = {"recompute": ("forward", "backward"), "keep_logits": ("forward", "backward")}
 #: Default token counts the step is compiled at, per path (the fit needs two; a third checks it).
 DEFAULT_STEP_TOKENS: dict[str, tuple[int, ...]] = {
     "recompute": (512, 1024),
@@ -422,21 +425,30 @@ def _accepts_option(fn: Callable[..., Any], name: str, inspect: Any) -> bool:
     return False
 
 
-def loop_chunk(path: str, generation: str, h: int, w_dtype: str = "bfloat16") -> int | None:
-    """Tokens per loop iteration of ``path``'s step on ``generation`` (None: the path has no token loop).
+def loop_plan(path: str, generation: str, n: int, h: int, v: int,
+              w_dtype: str = "bfloat16") -> tuple[int, int] | None:
+    """``(tokens per chunk, hidden tiles)`` of ``path``'s step at ``n`` tokens on ``generation`` (None: the
+    path has no token loop).
 
-    The ``keep_logits`` path loops over chunks of this many tokens; its ops are compiled at whole
-    multiples of it, so that the profiled loop body (walked once, run ``trip count`` times) is the
-    full-size one and the fit in ``N`` is exact at multiples of the chunk."""
+    The ``keep_logits`` path loops over the chunks its plan for the whole ``n`` takes
+    (:func:`ce_pallas_tpu.kept_logits.plan_chunks`, which weighs chunk counts and hidden tiles per ``n``). Its
+    ops are compiled at whole multiples of that chunk with the plan pinned to it (:func:`measure_step_ops`'s
+    ``loop``), so that the profiled loop body (walked once, run ``trip count`` times) is the one the full-size
+    step runs and the fit in ``N`` is exact at multiples of the chunk: left to itself, the plan at a few chunks'
+    tokens may take other chunks (v6e, Llama-3 8B's head: 1536-token chunks at 16384 tokens, one chunk of
+    3072 at 3072)."""
     if path != "keep_logits":
         return None
     import jax.numpy as jnp
 
+    from ce_core import StatsSpec
     from ce_pallas_tpu import kept_logits
     from ce_pallas_tpu.target import CHIP_FACTS, Target
 
     target = Target(generation, CHIP_FACTS[generation].num_cores, None)
-    return kept_logits.CHUNK_TOKENS or kept_logits.default_chunk(h, jnp.dtype(w_dtype).itemsize, target)
+    spec = StatsSpec(keep_logits=True)  # the plain mean loss over an [H, V] head, as step_program builds it
+    plan = kept_logits.plan_chunks(n, h, v, jnp.dtype(w_dtype), jnp.dtype(w_dtype), spec, target)
+    return plan.chunk, plan.backward.hidden_split
 
 
 def materialised_library() -> str:
@@ -480,10 +492,12 @@ _IN_HLO = re.compile(r"in HLO \[([^\]]+)\]")
 
 
 def _compile_child(generation: str, path: str, n: int, h: int, v: int, dtype: str, root: Path,
-                   profile_dir: Path | None) -> tuple[int, str | None, set[str], list[str]]:
+                   profile_dir: Path | None,
+                   loop: tuple[int, int] | None = None) -> tuple[int, str | None, set[str], list[str]]:
     """Compile one step in a child process: ``(returncode, abort message, ops named by the abort, stderr tail)``."""
+    pinned = [str(part) for part in loop] if loop else ["-", "-"]
     command = [sys.executable, "-m", "ce_pallas_tpu.tooling.schedule.step", generation, path, str(n), str(h),
-               str(v), dtype, str(root / "step.hlo.txt")]
+               str(v), dtype, str(root / "step.hlo.txt"), *pinned]
     abort, failed_ops, tail = None, set(), []
     with subprocess.Popen(command, env=_child_env(profile_dir), stderr=subprocess.PIPE, text=True) as child:
         assert child.stderr is not None
@@ -506,9 +520,10 @@ MAX_PROFILE_ATTEMPTS = 4
 
 
 def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: str = "bfloat16",
-                     attempts: int = MAX_PROFILE_ATTEMPTS) -> StepOps:
+                     attempts: int = MAX_PROFILE_ATTEMPTS, loop: tuple[int, int] | None = None) -> StepOps:
     """Compile the step of ``path`` at ``n`` tokens for ``generation`` with the profile flags and sum
-    its ops (:func:`sum_step`). Where the profiler aborts, the HLO comes from a compile without the
+    its ops (:func:`sum_step`); ``loop`` pins the ``keep_logits`` path's ``(chunk, hidden tiles)``
+    (:func:`loop_plan`). Where the profiler aborts, the HLO comes from a compile without the
     profile flags, the profiles of repeated attempts are pooled, and the ops still without one (those
     the profiler aborts on) are estimated from their HBM bytes."""
     with tempfile.TemporaryDirectory(prefix="ce-step-") as tmp:
@@ -522,7 +537,7 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
         for attempt in range(attempts):
             profile_dir = root / f"profile{attempt}"
             profile_dir.mkdir()
-            code, abort, failed, tail = _compile_child(generation, path, n, h, v, dtype, root, profile_dir)
+            code, abort, failed, tail = _compile_child(generation, path, n, h, v, dtype, root, profile_dir, loop)
             for profile in read_op_profiles(profile_dir):
                 profiles.setdefault(profile.name, profile)
             if abort is None and code == 0 and hlo.exists():
@@ -530,7 +545,7 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
             aborts.append(abort or f"exit {code}: {tail[-1] if tail else ''}"[:300])
             failed_ops |= failed
             if not hlo.exists():
-                code2, abort2, _, tail2 = _compile_child(generation, path, n, h, v, dtype, root, None)
+                code2, abort2, _, tail2 = _compile_child(generation, path, n, h, v, dtype, root, None, loop)
                 if not hlo.exists():
                     lines = "\n".join(tail2)
                     raise RuntimeError(f"the {path} step at N={n} does not compile for {generation} "
@@ -552,10 +567,14 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
 
 def _main(argv: list[str]) -> int:
     """Child process: compile one step for a deviceless TPU and write its HLO text."""
-    generation, path, n, h, v, dtype, out = argv
+    generation, path, n, h, v, dtype, out, chunk, split = argv
     import jax
 
+    from ce_pallas_tpu import kept_logits
     from ce_pallas_tpu.tooling import aot
+
+    if chunk != "-":  # the loop of the full-size step's plan (loop_plan)
+        kept_logits.CHUNK_TOKENS, kept_logits.HIDDEN_SPLIT = int(chunk), int(split)
 
     with aot.compiling_for(generation) as device:
         fn, operands = step_program(path, int(n), int(h), int(v), jax.sharding.SingleDeviceSharding(device), dtype)
