@@ -393,9 +393,8 @@ def _largest_fitting_forward(cfg: ForwardConfig, shape: cost_model.Shape, target
     512 x 1024 tile of Llama-3 8B's head on v5p runs at 1.032 of its MXU minimum against 1.054 for
     256 x 2048, 1024 x 1024 of Qwen2.5-1.5B's at 1.040 against 1.058 for 512 x 2048 (Llama-3 70B's head
     on v6e, 1536-token chunks: 384 x 2048 ran at 1.54, every ``w`` block read for 384 rows)."""
-    narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
     widths = [cfg.block_v]
-    while widths[-1] // 2 >= narrowest and widths[-1] % 256 == 0:
+    while _halvable_forward_width(widths[-1], target):
         widths.append(widths[-1] // 2)
     rows = [cfg.block_b]
     while rows[-1] > 8 and rows[-1] % 16 == 0:
@@ -405,6 +404,12 @@ def _largest_fitting_forward(cfg: ForwardConfig, shape: cost_model.Shape, target
     if not fitting:
         return trials[-1]
     return max(fitting, key=lambda trial: (trial.block_b * trial.block_v, trial.block_b))
+
+
+def _halvable_forward_width(block_v: int, target: Target) -> bool:
+    """Whether the kept forward's vocab block may be halved: whole 128-lane halves of at least
+    :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths."""
+    return block_v // 2 >= PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side and block_v % 256 == 0
 
 
 def _forward_need(cfg: ForwardConfig, shape: cost_model.Shape, target: Target) -> int:
@@ -429,11 +434,9 @@ def _grown_for_kept_writes(cfg: ForwardConfig, shape: cost_model.Shape, target: 
     leaves a narrow head's forward HBM-bound at that block: Qwen2.5-1.5B's, 1024 x 4096 tiles of a
     4096-token chunk, moves 1.31 times what its MXU time hides; 4096 x 1024 tiles run at 1.04 of the MXU
     minimum. Where ``Hp <= 2 flops_per_byte`` nothing hides; fewer ``w`` reads still cut the traffic."""
-    narrowest = PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side
     while not _kept_forward_hides(cfg.block_b, shape, target) and cfg.padded_n % (2 * cfg.block_b) == 0:
         trial = dataclasses.replace(cfg, block_b=2 * cfg.block_b)
-        while (_forward_need(trial, shape, target) > budget and trial.block_v // 2 >= narrowest
-               and trial.block_v % 256 == 0):
+        while _forward_need(trial, shape, target) > budget and _halvable_forward_width(trial.block_v, target):
             trial = dataclasses.replace(trial, block_v=trial.block_v // 2)
         if _forward_need(trial, shape, target) > budget:
             break
