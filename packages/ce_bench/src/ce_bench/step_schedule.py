@@ -151,12 +151,14 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
     clock_hz = SCHEDULE_CHIPS[target].clock_hz
     ops_cache = _OpsCache(measure_ops or (lambda g, p, n, h, v, loop: step.measure_step_ops(g, p, n, h, v, dtype,
                                                                                             loop=loop)), quiet)
+    loops = {(path, shape): step.loop_plan(path, target, shape.n, shape.h, shape.v, dtype)
+             for path in paths for shape in shapes}
     kernel_records: dict[tuple[str, Shape], list[dict[str, Any]]] = {}
     for path in paths:
         kernels = step.KERNELS_FROM_FIT.get(path)
         if kernels and step.path_unavailable(path) is None:
-            loops = [step.loop_plan(path, target, shape.n, shape.h, shape.v, dtype) for shape in shapes]
-            found = (kernel_schedule or _kernel_schedule(target, dtype, quiet))(list(shapes), kernels, loops)
+            found = (kernel_schedule or _kernel_schedule(target, dtype, quiet))(
+                list(shapes), kernels, [loops[(path, shape)] for shape in shapes])
             for index, shape in enumerate(shapes):
                 kernel_records[(path, shape)] = found[index * len(kernels):(index + 1) * len(kernels)]
     records = []
@@ -173,7 +175,7 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
                 failed = [r["error"] for r in kernels_found if r.get("error")]
                 if failed:
                     raise RuntimeError(f"kernel schedule failed: {failed[0]}")
-                loop = step.loop_plan(path, target, shape.n, shape.h, shape.v, dtype)
+                loop = loops[(path, shape)]
                 chunk = loop[0] if loop else None
                 points = {t: ops_cache.get(target, path, t, shape.h, shape.v, loop)
                           for t in small_token_counts(path, shape.n, tokens, chunk)}

@@ -148,18 +148,16 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     ``chunk_tokens`` (default :data:`CHUNK_TOKENS`, read now, or :func:`default_chunk`) bounds the chunk,
     ``hidden_split`` (default :data:`HIDDEN_SPLIT`, read now) fixes the backward's hidden tiles.
 
-    The tiles are the recompute path's for a chunk, adjusted to the VMEM budget: the forward's halved
-    to the largest step that fits with its kept-logits blocks (:func:`_fit_forward`); the backward, which
-    holds the chunk's ``x`` and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its
-    vocab block halved down to
-    :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, then the chunk, its hidden size whole or in tiles
-    (:func:`_fits`). Of those fits and (where the chunk is the default's) of up to twice their fewest
-    chunks over ``n``, holding at most :data:`PLAN_MEMORY_GROWTH` times the preferred plan's extra HBM, the
-    plan is the first, in that order of preference, whose :func:`estimated_seconds` is within
-    :data:`PLAN_TOLERANCE` of the fastest's: 4096 tokens of Llama-3 8B's head on v6e go in one
-    chunk in two hidden tiles rather than three whole 1536-token chunks (a eighth more rows than tokens,
-    each chunk's float32 ``dw`` traffic barely hidden), 16384 of Llama-3 70B's in eight 2048-token chunks
-    rather than six of 3072.
+    The tiles are the recompute path's for a chunk, adjusted to the VMEM budget: the forward's halved to the largest
+    step that fits with its kept-logits blocks (:func:`_fit_forward`); the backward, which holds the chunk's ``x``
+    and ``dx`` in VMEM (:mod:`ce_pallas_tpu.backward`, kept-logits mode), its vocab block halved down to
+    :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, then the chunk, its hidden size whole or in tiles (:func:`_fits`).
+    Of those fits and (where the chunk is the default's) of up to twice their fewest chunks over ``n``, holding at
+    most :data:`PLAN_MEMORY_GROWTH` times the preferred plan's extra HBM, the plan is the first, in that order of
+    preference, whose :func:`estimated_seconds` is within :data:`PLAN_TOLERANCE` of the fastest's: 4096 tokens of
+    Llama-3 8B's head on v6e go in one chunk in two hidden tiles rather than three whole 1536-token chunks (a eighth
+    more rows than tokens, each chunk's float32 ``dw`` traffic barely hidden), 16384 of Llama-3 70B's in eight
+    2048-token chunks rather than six of 3072.
     """
     target = current_target() if target is None else target
     searching = chunk_tokens is None and CHUNK_TOKENS is None

@@ -435,8 +435,8 @@ def loop_plan(path: str, generation: str, n: int, h: int, v: int,
     ops are compiled at whole multiples of that chunk with the plan pinned to it (:func:`measure_step_ops`'s
     ``loop``), so that the profiled loop body (walked once, run ``trip count`` times) is the one the full-size
     step runs and the fit in ``N`` is exact at multiples of the chunk: left to itself, the plan at a few chunks'
-    tokens may take other chunks (v6e, Llama-3 8B's head: 1536-token chunks at 16384 tokens, one chunk of
-    3072 at 3072)."""
+    tokens may take other chunks (v6e, Llama-3 70B's head: 2048-token chunks at 16384 tokens, one chunk of
+    4096 at 4096)."""
     if path != "keep_logits":
         return None
     import jax.numpy as jnp
