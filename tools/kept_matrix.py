@@ -104,9 +104,14 @@ def cmd_kernels(args: argparse.Namespace) -> None:
                                     "forward_tiles": [plan.forward.block_b, plan.forward.block_h, plan.forward.block_v],
                                     "backward_tiles": [plan.backward.block_b, plan.backward.block_h,
                                                        plan.backward.block_v],
-                                    "backward_cores": plan.backward.num_cores}
-            kept = [schedule.Job(k, plan.chunk, h, v, w_layout=lay, keep_logits=True,
-                                 hidden_split=plan.backward.hidden_split) for k in ("forward", "backward")]
+                                    "backward_cores": plan.backward.num_cores,
+                                    "backward_x_transposed": plan.backward.x_transposed}
+            # The backward of each role its chunks take (the float32 dw started, added onto, ended differently).
+            kept = [schedule.Job("forward", plan.chunk, h, v, w_layout=lay, keep_logits=True,
+                                 hidden_split=plan.backward.hidden_split)]
+            kept += [schedule.Job("backward", plan.chunk, h, v, w_layout=lay, keep_logits=True,
+                                  hidden_split=plan.backward.hidden_split, chunk_role=role)
+                     for role in schedule.chunk_roles(plan.chunks)]
             if not args.only_recompute:
                 jobs += [job for job in kept if job not in jobs]
     if not args.skip_recompute:
@@ -166,10 +171,18 @@ def _ms(record: dict) -> float | None:
 def _find(records: list[dict], tiles: list[int] | None = None, **job) -> dict | None:
     """The record of the job with these fields (and, if given, these measured tiles)."""
     for record in records:
-        if all(record["job"].get(key) == value for key, value in job.items()) and (
+        fields = {"chunk_role": "middle", **record["job"]}  # records before 2026-12-01 measured the middle chunk
+        if all(fields.get(key) == value for key, value in job.items()) and (
                 tiles is None or record.get("tiles") == tiles):
             return record
     return None
+
+
+def _usable(record: dict | None) -> dict | None:
+    """The record, unless it failed or its profile claims less than the kernel's MXU minimum."""
+    if record is None or record.get("error") or (record.get("ratio") or 0.0) < 1.0:
+        return None
+    return record
 
 
 def point_ms(gen: str, e: dict) -> float:
@@ -251,6 +264,7 @@ def materialised_model(gen: str, name: str, entries: list[dict]) -> dict | None:
 
 def rows() -> list[dict]:
     from ce_pallas_tpu.target import CHIP_FACTS
+    from ce_pallas_tpu.tooling.schedule import chunk_roles
     from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
 
     data = load()
@@ -266,13 +280,19 @@ def rows() -> list[dict]:
             # The kernels the plan runs: records of another plan at the same chunk (other tiles) do not count.
             fwd = _find(records, kernel="forward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay,
                         tiles=plan["forward_tiles"])
-            bwd = _find(records, kernel="backward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay,
-                        tiles=plan["backward_tiles"])
+            # Each role's backward; a role not measured (records before 2026-12-01), failed, or profiled below its
+            # MXU minimum (impossible: v6e Llama-3 8B's last 1536-token chunk read 0.62) counts at the middle's.
+            roles = chunk_roles(plan["chunks"])
+            by_role = {role: _usable(_find(records, kernel="backward", n=chunk, h=h, v=v, keep_logits=True,
+                                           w_layout=lay, tiles=plan["backward_tiles"], chunk_role=role))
+                       for role in (*roles, "middle")}
+            bwd = by_role[next(iter(roles))] or by_role["middle"]
             rfwd = _find(records, kernel="forward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             rbwd = _find(records, kernel="backward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             mxu_ms = 8 * n * h * v / peak * 1e3
             row = {"gen": gen, "head": name, "n": n, "h": h, "v": v, "w_layout": lay, "chunk": chunk,
-                   "chunks": plan["chunks"], "extra_gib": plan["extra_bytes"] / 2**30, "mxu_8nhv_ms": mxu_ms}
+                   "chunks": plan["chunks"], "extra_gib": plan["extra_bytes"] / 2**30, "mxu_8nhv_ms": mxu_ms,
+                   "kept_bwd_roles_as_middle": [role for role in roles if by_role[role] is None]}
             fm, bm = (None if r is None else _ms(r) for r in (fwd, bwd))
             row["kept_fwd_ratio"] = None if fwd is None else fwd.get("ratio")
             row["kept_bwd_ratio"] = None if bwd is None else bwd.get("ratio")
@@ -286,17 +306,19 @@ def rows() -> list[dict]:
             hp = plan["running_dw_shape"][0] if lay == "hv" else plan["running_dw_shape"][1]
             dw_bytes = 4 * hp_vp + 4 * h * v + 2 * h * v
             dx_bytes = plan["chunks"] * (plan["backward_cores"] * 4 * chunk * hp + 4 * chunk * h)
+            if plan.get("backward_x_transposed"):  # the chunk's x transposed for the backward: bf16 read, written
+                dx_bytes += plan["chunks"] * 4 * chunk * hp
             row["pre_27cad1a_xla_dw_ms"] = dw_bytes / chip.hbm_bytes_per_s * 1e3
             row["kept_xla_dx_ms"] = dx_bytes / chip.hbm_bytes_per_s * 1e3
             row["kept_xla_ms"] = row["kept_xla_dx_ms"]
-            # Every chunk is counted at the middle chunks' backward (the float32 dw read and written); the first
-            # skips the read and the last writes 2 bytes instead of 4: at most this much less where HBM-bound.
-            row["first_last_hbm_saving_ms"] = (4 * hp_vp + 2 * h * v) / (chip.hbm_bytes_per_s * cores) * 1e3
             if fm is not None and bm is not None and fwd is not None and bwd is not None:
                 row["kept_fwd_ms_chunk"], row["kept_bwd_ms_chunk"] = fm, bm
                 row["kept_bwd_hbm_bound"] = bwd["hbm_floor_us"] > bwd["kernel_us"]
                 row["kept_fwd_hbm_bound"] = fwd["hbm_floor_us"] > fwd["kernel_us"]
-                row["kept_kernels_ms"] = plan["chunks"] * (fm + bm)
+                role_ms = {role: _ms(by_role[role] or by_role["middle"] or bwd) or bm for role in roles}
+                row["kept_bwd_ms_by_role"] = role_ms
+                backward_ms = sum(count * role_ms[role] for role, count in roles.items())
+                row["kept_kernels_ms"] = plan["chunks"] * fm + backward_ms  # fm: checked above
                 row["kept_ms"] = row["kept_kernels_ms"] + row["kept_xla_ms"]
                 row["kept_kernels_8nhv"] = row["kept_kernels_ms"] / mxu_ms
                 row["kept_8nhv"] = row["kept_ms"] / mxu_ms

@@ -135,11 +135,11 @@ def _fake_ops(generation: str, path: str, n: int, h: int, v: int, loop: tuple[in
 
 
 def _fake_kernels(shapes: list[Shape], kernels: tuple[str, ...],
-                  loops: list[tuple[int, int] | None]) -> list[dict[str, Any]]:
-    """20 ms a kernel (per chunk where the path loops: ``repeats`` chunks)."""
-    return [{"kernel": k, "kernel_us": 20_000.0, "hbm_floor_us": 1_000.0, "error": None,
-             **({"repeats": -(-shape.n // loop[0])} if loop else {})}
-            for shape, loop in zip(shapes, loops, strict=True) for k in kernels]
+                  loops: list[tuple[int, int] | None]) -> list[list[dict[str, Any]]]:
+    """20 ms a kernel (per chunk where the path loops: ``repeats`` chunks), per shape."""
+    return [[{"kernel": k, "kernel_us": 20_000.0, "hbm_floor_us": 1_000.0, "error": None,
+              **({"repeats": -(-shape.n // loop[0])} if loop else {})} for k in kernels]
+            for shape, loop in zip(shapes, loops, strict=True)]
 
 
 def test_records_carry_the_estimate_its_ratios_and_the_baseline() -> None:

@@ -230,6 +230,44 @@ def test_hidden_tiles_with_and_without_delta_over_the_logits_match_one_tile_exac
     assert not np.any(dx[labels == -100])
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n,h,split", [(600, 200, 1), (230, 512, 2)])
+def test_the_kept_backward_with_x_transposed_matches_it_untransposed(interpret, monkeypatch, n, h, split):
+    """v6e's kept backward of an ``[H, V]`` head holds the chunk's ``x`` as ``x.T`` (padded by XLA to whole
+    token blocks and 128-wide hidden tiles): the same gradients as with ``x`` as it is, to float32 rounding,
+    and the float64 oracle's; three chunks (the running ``dw``'s first, middle and last kernels) with H ragged,
+    or one chunk of 230 tokens in two hidden tiles (``delta`` over the kept logits); bf16, dead prompt blocks,
+    race-checked."""
+    from ce_pallas_tpu.target import CHIP_FACTS
+
+    interpret("v6e")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 256)
+    monkeypatch.setattr(kept_logits, "HIDDEN_SPLIT", split)
+    v = 3000
+    x, labels, w = _problem(29, n, h, v, "hv", "bfloat16")
+    labels = np.where(np.arange(n) < 130, -100, labels)  # a prompt: the first token block dead
+    results = {}
+    for transposed in (False, True):
+        monkeypatch.setitem(CHIP_FACTS, "v6e", dataclasses.replace(CHIP_FACTS["v6e"], kept_x_transposed=transposed))
+        plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec())
+        assert plan.backward.x_transposed == transposed and plan.backward.hidden_split == split
+        assert plan.chunks == (3 if n == 600 else 1) and plan.backward.hidden == h
+        jax.clear_caches()
+        loss, grads = _value_and_grads(x, labels, w, keep_logits=True, options={}, weights=None)
+        results[transposed] = [np.asarray(a, np.float32) for a in (loss, *grads)]
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    for name, moved, plain in zip(("loss", "dx", "dw"), results[True], results[False], strict=True):
+        # The same products in another operand order: a bf16 rounding of dw may flip, nothing more.
+        assert np.all(np.abs(moved - plain) <= 2.0**-7 * np.abs(plain) + 2.0**-16 * np.max(np.abs(plain))), name
+    loss, dx, dw = results[True]
+    expected = _oracle(x, labels, w, "hv", {}, None, 1.0)
+    loss_tol, grad_tol = TOLERANCES["bfloat16"]
+    assert max_rel_error(loss, expected["loss"]) <= loss_tol
+    assert max_rel_error(dx, expected["dx"]) <= grad_tol
+    assert max_rel_error(dw, expected["dw"]) <= grad_tol
+
+
 def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gains():
     """Llama-3 70B's head (H=8192): whole, v5p's VMEM leaves 256-token chunks (below the ~350 whose float32
     dw traffic hides) and v6e's 256-column vocab blocks; of two and four hidden tiles the plan prefers the

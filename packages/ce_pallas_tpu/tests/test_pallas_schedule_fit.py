@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from ce_pallas_tpu.common import KernelConfig
@@ -63,6 +65,42 @@ def test_a_step_moves_at_least_its_changing_operand_blocks():
     backward = block_bytes_per_step(Job("backward", 8192, 4096, 128256), cfg)
     # x and the float32 dx partial in and out every step; w and dw once per vocab block (8 steps).
     assert backward == pytest.approx(1024 * 4096 * (2 + 8) + 2 * 4096 * 2048 * 2 / 8)
+
+
+def test_a_kept_backward_is_measured_as_the_chunk_of_its_call_it_is(monkeypatch):
+    """The kept backward's float32 ``dw`` starts at zero in a call's first chunk, is added onto the running sum
+    in the chunks between and leaves in ``w``'s dtype from the last: each role compiles its own kernel (the
+    running sum an operand only where it is read), and its HBM floor moves that ``dw``'s bytes."""
+    from ce_core import StatsSpec
+    from ce_pallas_tpu.backward import BackwardConfig
+    from ce_pallas_tpu.tooling.schedule import CHUNK_ROLES, Job, chunk_roles
+    from ce_pallas_tpu.tooling.schedule.programs import kernel_config, kernel_program
+    from ce_pallas_tpu.tooling.schedule.worker import block_bytes_per_step
+
+    assert chunk_roles(1) == {"only": 1} and chunk_roles(2) == {"first": 1, "last": 1}
+    assert chunk_roles(11) == {"first": 1, "middle": 9, "last": 1}
+    with pytest.raises(ValueError, match="chunks"):
+        chunk_roles(0)
+    with pytest.raises(ValueError, match="chunk_role"):
+        Job("backward", 1024, 4096, 128256, keep_logits=True, chunk_role="second")
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v6e")
+    spec = StatsSpec(keep_logits=True)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    per_step, cfg = {}, None
+    for role in CHUNK_ROLES:
+        cfg = kernel_config("backward", 1024, 4096, 128256, "bfloat16", "bfloat16", spec, chunk_role=role)
+        assert isinstance(cfg, BackwardConfig)
+        assert (cfg.dw_from_running, cfg.dw_to_running) == (role in ("middle", "last"), role in ("first", "middle"))
+        _, operands = kernel_program("backward", cfg, "bfloat16", "bfloat16", sharding)
+        running = [o for o in operands if o.shape == (4096, cfg.nv * cfg.block_v) and o.dtype == jnp.float32]
+        assert len(running) == cfg.dw_from_running, role
+        per_step[role] = block_bytes_per_step(Job("backward", 1024, 4096, 128256, keep_logits=True,
+                                                  chunk_role=role), cfg)
+    assert cfg is not None
+    dw_block = 4096 * cfg.block_v / cfg.nb  # one dw entry of a vocab block, spread over its token steps
+    assert per_step["middle"] - per_step["only"] == pytest.approx(dw_block * (8 - 2))
+    assert per_step["first"] - per_step["only"] == pytest.approx(dw_block * (4 - 2))
+    assert per_step["last"] - per_step["only"] == pytest.approx(dw_block * 4)
 
 
 def test_a_job_the_profiler_aborted_on_keeps_its_variant(monkeypatch):

@@ -55,18 +55,25 @@ def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequ
 
 def run_kept_schedule(target: str, shapes: Sequence[Shape], loops: Sequence[tuple[int, int]], dtype: str,
                       kernels: Sequence[str] = KERNELS, *, quiet: bool = False) -> list[dict[str, Any]]:
-    """One record per shape and kernel of the kept-logits path (``keep_logits=True``): each kernel at one
-    chunk of ``loops[i] = (chunk, hidden tiles)`` (the plan's, ``step.loop_plan``), its ``repeats`` the
-    chunks over the shape's N (a step runs the kernels once a chunk)."""
+    """The records of the kept-logits path's kernels (``keep_logits=True``), shape by shape: each kernel at one
+    chunk of ``loops[i] = (chunk, hidden tiles)`` (the plan's, ``step.loop_plan``), the backward once per role
+    its chunks take (``schedule.chunk_roles``: its float32 ``dw`` started, added onto or ended), each record's
+    ``repeats`` the chunks that run it (a step runs the kernels once a chunk) and ``shape`` its shape's label."""
     from ce_pallas_tpu.tooling import schedule
 
-    jobs = [schedule.Job(kernel, chunk, shape.h, shape.v, x_dtype=dtype, w_dtype=dtype, keep_logits=True,
-                         hidden_split=split)
-            for shape, (chunk, split) in zip(shapes, loops, strict=True) for kernel in kernels]
+    jobs, labels, repeats = [], [], []
+    for shape, (chunk, split) in zip(shapes, loops, strict=True):
+        chunks = -(-shape.n // chunk)
+        for kernel in kernels:
+            roles = schedule.chunk_roles(chunks) if kernel == "backward" else {"middle": chunks}
+            for role, count in roles.items():
+                jobs.append(schedule.Job(kernel, chunk, shape.h, shape.v, x_dtype=dtype, w_dtype=dtype,
+                                         keep_logits=True, hidden_split=split, chunk_role=role))
+                labels.append(shape.label)
+                repeats.append(count)
     records = [record.to_json() for record in schedule.measure(target, jobs, quiet=quiet)]
-    for index, record in enumerate(records):
-        shape, (chunk, _) = shapes[index // len(kernels)], loops[index // len(kernels)]
-        record["shape"], record["repeats"] = shape.label, -(-shape.n // chunk)
+    for record, job, label, count in zip(records, jobs, labels, repeats, strict=True):
+        record["shape"], record["repeats"], record["chunk_role"] = label, count, job.chunk_role
     return records
 
 

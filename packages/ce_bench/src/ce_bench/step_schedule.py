@@ -141,10 +141,10 @@ def step_record(generation: str, shape: Shape, path: str, points: dict[int, Any]
 def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str] = DEFAULT_STEP_PATHS,
                       tokens: Sequence[int] | None = None, *, dtype: str = "bfloat16", quiet: bool = False,
                       measure_ops: Callable[..., Any] | None = None,
-                      kernel_schedule: Callable[..., list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+                      kernel_schedule: Callable[..., list[list[dict[str, Any]]]] | None = None) -> list[dict[str, Any]]:
     """One record per shape and path (in that order); ``baseline_ms`` is the materialised path's
-    ``est_ms`` at the same shape where that path is measured. ``measure_ops`` and ``kernel_schedule``
-    replace the compiles (tests)."""
+    ``est_ms`` at the same shape where that path is measured. ``measure_ops`` and ``kernel_schedule`` (its
+    kernel records per shape) replace the compiles (tests)."""
     from ce_pallas_tpu.tooling.schedule import step
     from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
 
@@ -159,8 +159,8 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
         if kernels and step.path_unavailable(path) is None:
             found = (kernel_schedule or _kernel_schedule(target, dtype, quiet))(
                 list(shapes), kernels, [loops[(path, shape)] for shape in shapes])
-            for index, shape in enumerate(shapes):
-                kernel_records[(path, shape)] = found[index * len(kernels):(index + 1) * len(kernels)]
+            for shape, shape_records in zip(shapes, found, strict=True):
+                kernel_records[(path, shape)] = shape_records
     records = []
     for shape in shapes:
         for path in paths:
@@ -193,15 +193,19 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
     return records
 
 
-def _kernel_schedule(target: str, dtype: str, quiet: bool) -> Callable[..., list[dict[str, Any]]]:
-    """The grid fit of a path's kernels: over the whole N, or per chunk where the path loops (``loops``)."""
+def _kernel_schedule(target: str, dtype: str, quiet: bool) -> Callable[..., list[list[dict[str, Any]]]]:
+    """The grid fit of a path's kernels, their records per shape: over the whole N, or per chunk where the path
+    loops (``loops``)."""
     from ce_bench.schedule import run_kept_schedule, run_schedule
 
-    def schedule(shapes: list[Shape], kernels: tuple[str, ...], loops: list[tuple[int, int] | None]):
+    def schedule(shapes: list[Shape], kernels: tuple[str, ...],
+                 loops: list[tuple[int, int] | None]) -> list[list[dict[str, Any]]]:
         if all(loop is None for loop in loops):
-            return run_schedule(target, shapes, dtype, kernels, quiet=quiet)
-        return run_kept_schedule(target, shapes, [loop for loop in loops if loop is not None], dtype, kernels,
-                                 quiet=quiet)
+            found = run_schedule(target, shapes, dtype, kernels, quiet=quiet)
+            return [found[index * len(kernels):(index + 1) * len(kernels)] for index in range(len(shapes))]
+        found = run_kept_schedule(target, shapes, [loop for loop in loops if loop is not None], dtype, kernels,
+                                  quiet=quiet)
+        return [[record for record in found if record["shape"] == shape.label] for shape in shapes]
 
     return schedule
 

@@ -96,6 +96,11 @@ class BackwardConfig(common.KernelConfig):
     #: chunk instead of once per tile, for one more write of the chunk's (bf16: half its) logits' bytes.
     #: The plan sets it where the schedule measured a gain (:attr:`ce_pallas_tpu.target.ChipFacts.delta_over_logits`).
     delta_over_logits: bool = False
+    #: Kept-logits mode, ``[H, V]`` head: the chunk's ``x`` held resident as ``x.T`` (``[Hp, Np]``, transposed
+    #: and zero-padded by XLA before the call, :func:`_inputs`), so the ``dw`` product ``x.T @ delta`` takes
+    #: its block as it is instead of transposing the block's ``x`` rows at every step. The plan sets it
+    #: where the schedule measured a gain (:attr:`ce_pallas_tpu.target.ChipFacts.kept_x_transposed`).
+    x_transposed: bool = False
 
     @property
     def hidden_tile(self) -> int:
@@ -247,7 +252,8 @@ def _kept_kernel(x_ref, w_ref, z_refs, rows: _Rows, running_in, dw_hbm, dxp_hbm,
 
     def delta_and_dw() -> tuple[jax.Array, Any]:
         d, delta_write = _tile_cotangent(z_ref, z_hbm, sems, rows, h, i, block, cfg)
-        _dw_step(x_ref.at[_token_rows(i, cfg)], d, dw_slots.at[slot], cfg)
+        x_rows = x_ref.at[:, _token_rows(i, cfg)] if cfg.x_transposed else x_ref.at[_token_rows(i, cfg)]
+        _dw_step(x_rows, d, dw_slots.at[slot], cfg)
         return d, delta_write
 
     def dx(d: jax.Array) -> None:
@@ -399,7 +405,7 @@ def _prepare_resident_x(x_ref, jj, i, cfg: BackwardConfig) -> None:
     """Kept-logits mode holds the chunk's ``x`` (its hidden tile's columns) in VMEM for the whole grid,
     fetched once per core and tile: its rows past ``N`` and columns past ``H`` are zeroed at the tile's first
     step."""
-    if cfg.n == cfg.padded_n and cfg.hidden == cfg.hp:
+    if cfg.x_transposed or (cfg.n == cfg.padded_n and cfg.hidden == cfg.hp):  # x.T comes padded
         return
 
     @pl.when((jj == 0) & (i == 0))
@@ -581,9 +587,12 @@ def _zero_dw(dw_acc, position) -> None:
 
 def _dw_step(x_ref, d: jax.Array, dw_acc, cfg: BackwardConfig) -> None:
     """The dw tile, accumulated over token blocks in VMEM (zeroed first, :func:`_zero_dw`): the product is
-    added unconditionally, so the MXU result goes straight into it."""
+    added unconditionally, so the MXU result goes straight into it. (Stored instead of added at a walk's
+    first step, under ``pl.when``, the kept backward ran slower: v6e, Llama-3 8B's head, 1.199 -> 1.227.)"""
     for chunk in _hidden_chunks(cfg):
-        if cfg.w_layout == "vh" and not cfg.dw_transposed:
+        if cfg.x_transposed:  # x_ref holds x.T's columns of the block's rows
+            dw_acc[chunk, :] += common.matmul(x_ref[chunk, :], d, cfg.precision)
+        elif cfg.w_layout == "vh" and not cfg.dw_transposed:
             dw_acc[:, chunk] += common.matmul_tn(d, x_ref[:, chunk], cfg.precision)
         else:
             dw_acc[chunk, :] += common.matmul_tn(x_ref[:, chunk], d, cfg.precision)
@@ -753,6 +762,8 @@ def backward_call(
                          f"block_h={cfg.block_h} divides")
     if cfg.delta_over_logits and not (cfg.kept_logits and cfg.hidden_split > 1):
         raise ValueError("backward_call: delta_over_logits needs the kept-logits mode in hidden tiles")
+    if cfg.x_transposed and not (cfg.kept_logits and cfg.w_layout == "hv"):
+        raise ValueError("backward_call: x_transposed needs the kept-logits mode and an [H, V] head")
     if cfg.kept_logits:
         if kept is None:
             raise ValueError("backward_call: cfg.kept_logits needs kept=(logits, running_dw)")
@@ -878,7 +889,11 @@ def _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_exp
         return (i, 0)
 
     column = pl.BlockSpec((cfg.block_b, 1), rows)
-    if cfg.kept_logits:  # the chunk's x resident in VMEM: fetched once per core, one buffer
+    if cfg.x_transposed:  # x.T resident, zero-padded to [Hp, Np] here (one XLA copy a call)
+        x_spec = common.block_spec((cfg.hidden_tile, cfg.padded_n),
+                                   lambda c, j, i: (_hidden_and_vocab_step(j, cfg)[0], 0), pl.Buffered(1))
+        x = jnp.pad(x, ((0, cfg.padded_n - cfg.n), (0, cfg.hp - cfg.hidden))).T
+    elif cfg.kept_logits:  # the chunk's x resident in VMEM: fetched once per core, one buffer
         x_spec = common.block_spec((cfg.padded_n, cfg.hidden_tile),
                                    lambda c, j, i: (0, _hidden_and_vocab_step(j, cfg)[0]), pl.Buffered(1))
     else:

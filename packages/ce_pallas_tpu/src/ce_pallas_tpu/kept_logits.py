@@ -44,7 +44,7 @@ from ce_core.extend import vary_like
 from ce_pallas_tpu import cost_model, tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
-from ce_pallas_tpu.layout import cdiv, round_up
+from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.ops import (
     Plan,
     dead_rows_zeroed,
@@ -360,7 +360,8 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
         while True:
             base = make_plan(size, h, v, x_dtype, w_dtype, spec, target)
             shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
-            backward = _fit_backward(base, shape, budget, floor, explicit, split, target.facts.delta_over_logits)
+            backward = _fit_backward(base, shape, budget, floor, explicit, split, target.facts.delta_over_logits,
+                                     target.facts.kept_x_transposed)
             if _backward_need(backward, shape) <= budget:
                 return _fit_forward(base, shape, target, budget, explicit), backward, size
             if size <= MIN_FITTED_CHUNK:
@@ -368,8 +369,9 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
             size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
     base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
     shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
-    return _fit_forward(base, shape, target, budget, explicit), _fit_backward(base, shape, budget, 256, explicit, split,
-                                                                   target.facts.delta_over_logits), chunk
+    backward = _fit_backward(base, shape, budget, 256, explicit, split, target.facts.delta_over_logits,
+                             target.facts.kept_x_transposed)
+    return _fit_forward(base, shape, target, budget, explicit), backward, chunk
 
 
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int, explicit: bool) -> ForwardConfig:
@@ -466,19 +468,23 @@ KEPT_MAX_BLOCK_B, KEPT_MAX_BLOCK_V = 1024, 2048
 
 
 def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256,
-                  explicit: bool = False, split: int = 1, delta_over_logits: bool = False) -> BackwardConfig:
+                  explicit: bool = False, split: int = 1, delta_over_logits: bool = False,
+                  x_transposed: bool = False) -> BackwardConfig:
     """The kept backward's tiles: explicit ones as given (vocab block halved to fit); by default the
     products over the whole hidden size, the largest token block that divides the chunk (at most
     :data:`KEPT_MAX_BLOCK_B`) and the widest vocab block (at most :data:`KEPT_MAX_BLOCK_V`) whose VMEM fits:
     the vocab block narrowed first, down to ``floor``, then the token block, down to 256."""
     cfg = dataclasses.replace(base.backward, kept_logits=True, hidden_split=split,
-                              delta_over_logits=delta_over_logits and split > 1)
+                              delta_over_logits=delta_over_logits and split > 1,
+                              x_transposed=x_transposed and base.backward.w_layout == "hv")
     if cfg.hidden_tile % cfg.block_h:
         cfg = dataclasses.replace(cfg, block_h=cfg.hidden_tile)
     if not explicit:
         cfg = _widest_fitting(cfg, shape, budget, floor)
     while _backward_need(cfg, shape) > budget and cfg.block_v > floor and cfg.block_v % 256 == 0:
         cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
+    if cfg.x_transposed and cfg.nb > 1 and cfg.block_b % LANES:  # a token block of x.T is a run of its lanes
+        cfg = dataclasses.replace(cfg, x_transposed=False)
     return cfg
 
 

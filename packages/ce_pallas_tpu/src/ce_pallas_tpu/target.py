@@ -76,6 +76,12 @@ class ChipFacts:
     #: (70B, two: its HBM, not its vector units, is what the split waits on); TPU7x 1.204 -> 1.233 (8B, four;
     #: 70B's 128-row blocks 2.008 -> 1.932, but its plans are 8B-like heads'). On where it gains.
     delta_over_logits: bool = False
+    #: Whether the kept backward of an ``[H, V]`` head holds its chunk's ``x`` transposed
+    #: (:attr:`ce_pallas_tpu.backward.BackwardConfig.x_transposed`). libtpu's static schedule, bf16, v6e,
+    #: Llama-3 8B's head, backward over its MXU minimum without -> with: v6e (4096 tokens, two tiles) 1.199 ->
+    #: 1.184 (a call of one chunk), 1.179 -> 1.163 (a chunk between others); v5p (512) 1.065 -> 1.059; v5e
+    #: (2048) 1.031 -> 1.028, 56 us a chunk against the 41 us of its XLA transpose: left off there.
+    kept_x_transposed: bool = False
 
     @property
     def flops_per_byte(self) -> float:
@@ -88,9 +94,10 @@ class ChipFacts:
 CHIP_FACTS: dict[str, ChipFacts] = {
     "v4": ChipFacts(2, 16 * _MIB, 32 * 1024 * _MIB, 137.5e12, 0.615e12),
     "v5e": ChipFacts(1, 128 * _MIB, 16 * 1024 * _MIB, 197e12, 0.82e12),
-    "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12, delta_over_logits=True),
+    "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12, delta_over_logits=True,
+                     kept_x_transposed=True),
     "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256, delta_columns=320.0,
-                     delta_over_logits=True),
+                     delta_over_logits=True, kept_x_transposed=True),
     # TPU7x (Ironwood): each TensorCore is a device of its own, with 64 MiB of VMEM and half the chip's HBM.
     "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12, mxu_side=256, forward_work_tiles=8.0),
     "default": ChipFacts(1, 16 * _MIB, 16 * 1024 * _MIB, 200e12, 0.8e12),

@@ -22,9 +22,10 @@ from pathlib import Path
 
 from ce_pallas_tpu.tooling.schedule.chips import PROFILED_GENERATIONS, SCHEDULE_CHIPS, mxu_cycles
 from ce_pallas_tpu.tooling.schedule.dumps import libtpu_flags
-from ce_pallas_tpu.tooling.schedule.records import KERNELS, Job, KernelSchedule
+from ce_pallas_tpu.tooling.schedule.records import CHUNK_ROLES, KERNELS, Job, KernelSchedule, chunk_roles
 
-__all__ = ["KERNELS", "PROFILED_GENERATIONS", "SCHEDULE_CHIPS", "Job", "KernelSchedule", "measure", "mxu_cycles"]
+__all__ = ["CHUNK_ROLES", "KERNELS", "PROFILED_GENERATIONS", "SCHEDULE_CHIPS", "Job", "KernelSchedule", "chunk_roles",
+           "measure", "mxu_cycles"]
 
 
 #: The prefix of an absl FATAL log line (``F1122 05:48:18.599031   21555 llo_dumper.cc:1778] ``).

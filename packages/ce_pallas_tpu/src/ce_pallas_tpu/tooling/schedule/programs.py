@@ -16,11 +16,14 @@ from ce_pallas_tpu.layout import cdiv
 
 def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
                   tiles: tuple[int, int | None, int] | None = None, w_buffers: int | None = None,
-                  hidden_split: int | None = None, delta_over_logits: bool | None = None) -> KernelConfig:
+                  hidden_split: int | None = None, delta_over_logits: bool | None = None,
+                  chunk_role: str = "middle", x_transposed: bool | None = None) -> KernelConfig:
     """The kernel's config for a problem on the current target, with ``tiles`` ``(block_b, block_h,
     block_v)`` if given (``block_h`` ``None``: the whole hidden dimension); a kept-logits kernel's plan
     is for one chunk of ``n`` tokens, its backward in ``hidden_split`` hidden tiles if given (and forming
-    ``delta`` once over them or not, ``delta_over_logits``, if given).
+    ``delta`` once over them or not, ``delta_over_logits``, if given), its ``dw`` starting and ending as
+    the ``chunk_role`` chunk of a call does (``records.CHUNK_ROLES``), holding ``x`` transposed or not
+    (``x_transposed``) if given.
 
     Unlike explicit ``BlockSizes``, the tiles are not checked against the VMEM model (the
     compile is the judge here), and they apply to this kernel only.
@@ -36,8 +39,13 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
         kept = kept_logits.plan_chunks(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec, chunk_tokens=n,
                                        hidden_split=hidden_split)
         cfg = kept.forward if kernel == "forward" else kept.backward
+        if kernel == "backward":  # the running dw read in after the first chunk, left in float32 before the last
+            cfg = dataclasses.replace(cfg, dw_from_running=chunk_role in ("middle", "last"),
+                                      dw_to_running=chunk_role in ("first", "middle"))
         if delta_over_logits is not None and kernel == "backward":
             cfg = dataclasses.replace(cfg, delta_over_logits=delta_over_logits)
+        if x_transposed is not None and kernel == "backward":
+            cfg = dataclasses.replace(cfg, x_transposed=x_transposed)
     else:
         plan = ops.make_plan(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec)
         cfg = plan.forward if kernel == "forward" else plan.backward
@@ -81,13 +89,17 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str, s
     n_optional = cfg.with_sum + 2 * cfg.with_expected  # g_sum, then expected and g_expected
     columns = (column,) * (3 + n_optional)
     running = (cfg.nv * cfg.block_v, cfg.hidden) if cfg.w_layout == "vh" else (cfg.hidden, cfg.nv * cfg.block_v)
-    kept_operands = (operand(logits_shape, jnp.float32), operand(running, jnp.float32)) if kept else ()
+    kept_operands: tuple[jax.ShapeDtypeStruct, ...] = ()
+    if kept:  # the chunk's logits, and the running float32 dw where the chunk adds onto it
+        kept_operands = (operand(logits_shape, jnp.float32),)
+        if getattr(cfg, "dw_from_running", False):
+            kept_operands += (operand(running, jnp.float32),)
 
     def backward(x_, w_, y_, lse, g_lse, g_label, *optional):
         rest = list(optional)
         g_sum = rest.pop(0) if cfg.with_sum else None
         expected, g_expected = (rest.pop(0), rest.pop(0)) if cfg.with_expected else (None, None)
-        kept_in = (rest.pop(0), rest.pop(0)) if kept else None
+        kept_in = (rest.pop(0), rest.pop(0) if rest else None) if kept else None
         return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, kept=kept_in,
                              live_blocks=blocks)
 

@@ -6,6 +6,19 @@ import dataclasses
 from typing import Any
 
 KERNELS = ("forward", "backward")
+#: Where a kept-logits chunk sits in its call, which sets how its backward's float32 ``dw`` starts and ends:
+#: ``only`` (a call of one chunk: from zero, out in ``w``'s dtype), ``first`` (from zero onto the running
+#: sum), ``middle`` (added onto the running sum in place) and ``last`` (the running sum out in ``w``'s dtype).
+CHUNK_ROLES = ("only", "first", "middle", "last")
+
+
+def chunk_roles(chunks: int) -> dict[str, int]:
+    """How many chunks of a kept-logits call of ``chunks`` chunks take each role (:data:`CHUNK_ROLES`)."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be at least 1, got {chunks}")
+    if chunks == 1:
+        return {"only": 1}
+    return {role: count for role, count in (("first", 1), ("middle", chunks - 2), ("last", 1)) if count}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +47,16 @@ class Job:
     hidden_split: int | None = None
     #: Whether that backward forms ``delta`` once over its tiles (``None``: as the plan chooses).
     delta_over_logits: bool | None = None
+    #: Whether that backward holds ``x`` transposed (``None``: as the plan chooses).
+    x_transposed: bool | None = None
+    #: Which chunk of its call that backward is (:data:`CHUNK_ROLES`); the forward is the same in each.
+    chunk_role: str = "middle"
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.chunk_role not in CHUNK_ROLES:
+            raise ValueError(f"chunk_role must be one of {CHUNK_ROLES}, got {self.chunk_role!r}")
         if self.w_layout not in ("hv", "vh"):
             raise ValueError(f"w_layout must be 'hv' or 'vh', got {self.w_layout!r}")
 

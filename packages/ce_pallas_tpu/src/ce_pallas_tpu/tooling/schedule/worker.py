@@ -35,7 +35,7 @@ def _config(job: Job) -> Any:
     if job.precision is not None:
         spec = dataclasses.replace(spec, precision=job.precision)
     return kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, job.tiles, job.w_buffers,
-                         job.hidden_split, job.delta_over_logits)
+                         job.hidden_split, job.delta_over_logits, job.chunk_role, job.x_transposed)
 
 
 def _compile(job: Job, cfg: Any, device: Any) -> None:
@@ -86,8 +86,12 @@ def block_bytes_per_step(job: Job, cfg: Any) -> float:
     x_bytes, w_bytes = jnp.dtype(job.x_dtype).itemsize, jnp.dtype(job.w_dtype).itemsize
     logits = 4 * cfg.block_b * cfg.block_v if job.keep_logits else 0  # the kept logits' block, out or in
     if job.kernel == "backward" and job.keep_logits:  # x and dx stay in VMEM for the chunk (per hidden tile)
+        # dw per vocab block: the float32 running sum read (after the first chunk) and written (before the last
+        # chunk), or the finished block written in w's dtype (the last chunk, or the only one).
+        reads, writes = job.chunk_role in ("middle", "last"), job.chunk_role in ("first", "middle")
+        dw_bytes = 4 * reads + (4 if writes else w_bytes)
         return (cfg.block_b * cfg.hidden_tile * (x_bytes + 4) / cfg.nv_per_core
-                + cfg.hidden_tile * cfg.block_v * (w_bytes + 8) / cfg.nb + logits)
+                + cfg.hidden_tile * cfg.block_v * (w_bytes + dw_bytes) / cfg.nb + logits)
     if job.kernel == "forward":  # a w block every step; x once per token block unless hidden is blocked
         x_block = cfg.block_b * cfg.block_h * x_bytes
         return cfg.block_h * cfg.block_v * w_bytes + (x_block if cfg.nh > 1 else x_block / cfg.nv_per_core) + logits
