@@ -236,8 +236,8 @@ def test_the_kept_backward_with_x_transposed_matches_it_untransposed(interpret, 
     """v6e's kept backward of an ``[H, V]`` head holds the chunk's ``x`` as ``x.T`` (padded by XLA to whole
     token blocks and 128-wide hidden tiles): the same gradients as with ``x`` as it is, to float32 rounding,
     and the float64 oracle's; three chunks (the running ``dw``'s first, middle and last kernels) with H ragged,
-    or one chunk of 230 tokens in two hidden tiles (``delta`` over the kept logits); bf16, dead prompt blocks,
-    race-checked."""
+    or one chunk of 230 tokens in two hidden tiles (``delta`` over the kept logits); the first (or only) chunk's
+    ``dw`` slots zeroed by DMA from a zero block, as v6e's plan does; bf16, dead prompt blocks, race-checked."""
     from ce_pallas_tpu.target import CHIP_FACTS
 
     interpret("v6e")
@@ -251,6 +251,7 @@ def test_the_kept_backward_with_x_transposed_matches_it_untransposed(interpret, 
         monkeypatch.setitem(CHIP_FACTS, "v6e", dataclasses.replace(CHIP_FACTS["v6e"], kept_x_transposed=transposed))
         plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec())
         assert plan.backward.x_transposed == transposed and plan.backward.hidden_split == split
+        assert plan.backward.dw_zeros_by_dma
         assert plan.chunks == (3 if n == 600 else 1) and plan.backward.hidden == h
         jax.clear_caches()
         loss, grads = _value_and_grads(x, labels, w, keep_logits=True, options={}, weights=None)
@@ -439,7 +440,9 @@ def test_the_default_keeps_where_the_budget_allows_and_keeping_pays():
         if target is v6e:
             assert narrow.chunk == narrow.forward.block_b == 4096
     one = kept_logits.plan_chunks(1024, 896, 151936, bf16, bf16, spec, v5p)
-    assert one.chunks == 1 and one.extra_bytes == 4 * math.prod(one.logits_shape)
+    # One chunk: its logits, and (v5p, an [H, V] head) its x transposed, counted as float32; no running dw.
+    assert one.chunks == 1 and one.backward.x_transposed
+    assert one.extra_bytes == 4 * (math.prod(one.logits_shape) + one.backward.padded_n * one.backward.hp)
     assert kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v5e).chunk == 2048  # 2 even chunks
 
 

@@ -101,6 +101,16 @@ class BackwardConfig(common.KernelConfig):
     #: its block as it is instead of transposing the block's ``x`` rows at every step. The plan sets it
     #: where the schedule measured a gain (:attr:`ce_pallas_tpu.target.ChipFacts.kept_x_transposed`).
     x_transposed: bool = False
+    #: Kept-logits mode, a chunk not adding onto the running sum (the first, or the only one): its ``dw`` slots
+    #: start at zero by a DMA from a zero block in HBM, started as the running sum's reads are (a block ahead),
+    #: instead of a vector pass over the slot at each vocab block's first step. The plan sets it where the
+    #: schedule measured a gain (:attr:`ce_pallas_tpu.target.ChipFacts.kept_dw_zeros_by_dma`).
+    dw_zeros_by_dma: bool = False
+
+    @property
+    def dw_slots_read(self) -> bool:
+        """Whether each ``dw`` slot is filled by a DMA before its vocab block: the running sum, or zeros."""
+        return self.dw_from_running or self.dw_zeros_by_dma
 
     @property
     def hidden_tile(self) -> int:
@@ -198,7 +208,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
     rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
     if cfg.kept_logits:
         z_ref = refs.pop(0)
-        running_in = refs.pop(0) if cfg.dw_from_running else None
+        running_in = refs.pop(0) if cfg.dw_slots_read else None  # the running sum, or a zero block
         dw_hbm, dxp_hbm = refs.pop(0), refs.pop(0)
         z_hbm = refs.pop(0) if cfg.delta_over_logits else None  # aliased to the kept logits
         dw_slots, dx_acc, sems, *staging = refs
@@ -239,7 +249,8 @@ def _kept_kernel(x_ref, w_ref, z_refs, rows: _Rows, running_in, dw_hbm, dxp_hbm,
     """Kept-logits mode (:mod:`ce_pallas_tpu.kept_logits`): ``delta`` from the forward's logits; the chunk's
     ``x`` and float32 ``dx`` resident in VMEM; ``dw`` accumulated onto the running sum in two VMEM slots
     that DMAs fill and empty (:func:`_running_dw_dmas`), so no vector pass zeroes, stages or adds a tile.
-    The first chunk's slots start at zero instead (:attr:`BackwardConfig.dw_from_running`); the last
+    The first chunk's slots start at zero instead (:attr:`BackwardConfig.dw_from_running`: zeros read in by the
+    same DMAs with :attr:`BackwardConfig.dw_zeros_by_dma`, else a vector pass); the last
     chunk's go out through the recompute kernel's staging buffer in ``w``'s dtype
     (:attr:`BackwardConfig.dw_to_running`). The running sum's DMAs follow the grid's positions, so a dead
     step (:class:`common.LiveBlocks`) still moves ``dw``; only its products and ``dx`` rows are skipped. In
@@ -274,7 +285,7 @@ def _kept_kernel(x_ref, w_ref, z_refs, rows: _Rows, running_in, dw_hbm, dxp_hbm,
         if not cfg.delta_over_logits:  # there the first tile masks them (:func:`_tile_cotangent`)
             common.when_live(t.live, lambda: _mask_ragged_logits(z_ref, i, block, cfg))
         _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, position, block, h, cfg)
-        if not cfg.dw_from_running:
+        if not cfg.dw_slots_read:
             _zero_dw(dw_slots.at[slot], position)
         # The dw block's write (at the token walk's end) between the two products: v6e, Llama-3 8B's head, the
         # dx product ahead of it ran at 1.113 of the MXU minimum, 1.062 so. A dead step writes it alone.
@@ -340,7 +351,10 @@ def _hidden_entries(h, cfg: BackwardConfig) -> slice | pl.Slice:
 
 def _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, h, cfg: BackwardConfig, *, read: bool):
     """The DMA between vocab block ``block`` (hidden tile ``h``) of the running ``dw`` in HBM and VMEM
-    slot ``slot``."""
+    slot ``slot``; for a chunk that does not add onto the running sum (:attr:`BackwardConfig.dw_zeros_by_dma`)
+    the read is of the whole zero block ``dw_hbm`` instead."""
+    if read and not cfg.dw_from_running:
+        return pltpu.make_async_copy(dw_hbm, dw_slots.at[slot], sems.at[0])
     first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
     entries, hidden = pl.ds(first, cfg.block_v), _hidden_entries(h, cfg)
     window = dw_hbm.at[entries, hidden] if cfg.w_layout == "vh" else dw_hbm.at[hidden, entries]
@@ -356,12 +370,13 @@ def _core_last_block(jj, block, cfg: BackwardConfig):
 
 def _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, h, cfg: BackwardConfig) -> None:
     """Vocab block ``jj`` of a core accumulates in slot ``jj % 2``, which must hold the running ``dw``'s
-    block first (unless this is the first chunk, :attr:`BackwardConfig.dw_from_running`): the core's
+    block first (zeros in the first chunk, :attr:`BackwardConfig.dw_from_running`, where they come by DMA:
+    :attr:`BackwardConfig.dw_zeros_by_dma`; else nothing is read and the slot is zeroed by a vector pass): the core's
     first block reads it now; later ones wait for the read started halfway through the block before.
     Halfway through this block the other slot's write to the running sum (the block before) is waited
     for (the last chunk stages its tiles synchronously instead), and the next block's read into it started."""
     slot = jj % 2
-    if cfg.dw_from_running:
+    if cfg.dw_slots_read:
         this = _running_dw_copy(running_in, dw_slots, sems, block, slot, h, cfg, read=True)
 
         @pl.when((jj == 0) & (i == 0))
@@ -378,7 +393,7 @@ def _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, i, block, h, cfg: B
             def _():
                 _running_dw_copy(dw_hbm, dw_slots, sems, block - 1, 1 - slot, h, cfg, read=False).wait()
 
-        if cfg.dw_from_running:
+        if cfg.dw_slots_read:
 
             @pl.when(jnp.logical_not(_core_last_block(jj, block, cfg)))
             def _():
@@ -777,15 +792,19 @@ def backward_call(
         in_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v),
                                      lambda c, j, i: (i, c * nvc + _hidden_and_vocab_step(j, cfg)[1])))
         operands.append(logits)
+        logits_index = len(operands) - 1
         if running is not None:
             in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
             operands.append(running)
+        elif cfg.dw_zeros_by_dma:  # one zero block, read into each slot before its vocab block
+            in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+            operands.append(jnp.zeros(cfg.dw_acc_shape, jnp.float32))
         if cfg.dw_to_running:
             dw_shape, dw_dtype = padded, jnp.float32
             if running is not None:
                 aliases = {len(operands) - 1: 0}
         if cfg.delta_over_logits:  # the kept logits come back with delta over them: a third output, in place
-            aliases[len(operands) - 1 - (running is not None)] = 2
+            aliases[logits_index] = 2
     skipping = live_blocks is not None
     if live_blocks is not None:  # the scalar-prefetch operands come first
         operands = [*live_blocks, *operands]

@@ -14,9 +14,11 @@ For a loss reduced to a scalar, every token's cotangents are known as soon as it
    forms ``delta``, holds the chunk's ``x`` and float32 ``dx`` in VMEM, and adds its ``dw`` onto a float32
    running sum, whose blocks DMAs bring into two VMEM slots and write back in place. A wide head's backward
    takes the hidden size in tiles, each a walk over the vocabulary; on v5p and v6e the first writes
-   ``delta`` over the kept logits and the others read it back (``BackwardConfig.delta_over_logits``). The first chunk
-   starts that sum (its slots start at zero, nothing is read) and the last one writes the finished ``dw``
-   in ``w``'s dtype and shape, as the recompute kernel does; one chunk does both, with no running sum.
+   ``delta`` over the kept logits and the others read it back (``BackwardConfig.delta_over_logits``). An
+   ``[H, V]`` head's chunk ``x`` is held transposed on v5p and v6e (``BackwardConfig.x_transposed``). The first
+   chunk starts that sum (its slots start at zero: on v6e read from a zero block by the same DMAs,
+   ``BackwardConfig.dw_zeros_by_dma``) and the last one writes the finished ``dw`` in ``w``'s dtype and shape,
+   as the recompute kernel does; one chunk does both, with no running sum.
 
 So the MXU runs ``x @ w`` once per token (forward) and the two gradient products (backward), and the
 extra memory is one chunk's logits and, over several chunks, the float32 ``dw`` (padded to whole vocab
@@ -135,10 +137,15 @@ class KeptPlan:
     @property
     def extra_bytes(self) -> int:
         """HBM this path holds beyond the recompute path's: one chunk's kept logits (every chunk's forward
-        writes into the same buffer, :func:`row_stats_and_grads`) and (over several chunks) the float32
-        running dw."""
+        writes into the same buffer, :func:`row_stats_and_grads`), (over several chunks) the float32
+        running dw, and where the backward takes them the chunk's ``x`` transposed and padded (counted as
+        float32: a bf16 ``x`` holds half) and the float32 zero block its first chunk's ``dw`` slots are read
+        from."""
+        b = self.backward
         running = math.prod(self.running_dw_shape) if self.chunks > 1 else 0
-        return 4 * (math.prod(self.logits_shape) + running)
+        x_transposed = b.padded_n * b.hp if b.x_transposed else 0
+        zeros = math.prod(b.dw_acc_shape) if b.dw_zeros_by_dma else 0
+        return 4 * (math.prod(self.logits_shape) + running + x_transposed + zeros)
 
 
 def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
@@ -360,8 +367,7 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
         while True:
             base = make_plan(size, h, v, x_dtype, w_dtype, spec, target)
             shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
-            backward = _fit_backward(base, shape, budget, floor, explicit, split, target.facts.delta_over_logits,
-                                     target.facts.kept_x_transposed)
+            backward = _fit_backward(base, shape, budget, floor, explicit, split, target)
             if _backward_need(backward, shape) <= budget:
                 return _fit_forward(base, shape, target, budget, explicit), backward, size
             if size <= MIN_FITTED_CHUNK:
@@ -369,8 +375,7 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
             size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
     base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
     shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
-    backward = _fit_backward(base, shape, budget, 256, explicit, split, target.facts.delta_over_logits,
-                             target.facts.kept_x_transposed)
+    backward = _fit_backward(base, shape, budget, 256, explicit, split, target)
     return _fit_forward(base, shape, target, budget, explicit), backward, chunk
 
 
@@ -468,15 +473,17 @@ KEPT_MAX_BLOCK_B, KEPT_MAX_BLOCK_V = 1024, 2048
 
 
 def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256,
-                  explicit: bool = False, split: int = 1, delta_over_logits: bool = False,
-                  x_transposed: bool = False) -> BackwardConfig:
+                  explicit: bool = False, split: int = 1, target: Target | None = None) -> BackwardConfig:
     """The kept backward's tiles: explicit ones as given (vocab block halved to fit); by default the
     products over the whole hidden size, the largest token block that divides the chunk (at most
     :data:`KEPT_MAX_BLOCK_B`) and the widest vocab block (at most :data:`KEPT_MAX_BLOCK_V`) whose VMEM fits:
     the vocab block narrowed first, down to ``floor``, then the token block, down to 256."""
+    facts = None if target is None else target.facts  # the chip's choices of the kernel's forms
     cfg = dataclasses.replace(base.backward, kept_logits=True, hidden_split=split,
-                              delta_over_logits=delta_over_logits and split > 1,
-                              x_transposed=x_transposed and base.backward.w_layout == "hv")
+                              delta_over_logits=facts is not None and facts.delta_over_logits and split > 1,
+                              x_transposed=facts is not None and facts.kept_x_transposed
+                              and base.backward.w_layout == "hv",
+                              dw_zeros_by_dma=facts is not None and facts.kept_dw_zeros_by_dma)
     if cfg.hidden_tile % cfg.block_h:
         cfg = dataclasses.replace(cfg, block_h=cfg.hidden_tile)
     if not explicit:
