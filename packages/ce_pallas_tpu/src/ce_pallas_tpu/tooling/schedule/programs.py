@@ -12,6 +12,7 @@ from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.common import KernelConfig, LiveBlocks
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
 from ce_pallas_tpu.layout import cdiv
+from ce_pallas_tpu.tooling.schedule.records import running_dw
 
 
 def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtype: Any, spec: Any,
@@ -39,9 +40,9 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
         kept = kept_logits.plan_chunks(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec, chunk_tokens=n,
                                        hidden_split=hidden_split)
         cfg = kept.forward if kernel == "forward" else kept.backward
-        if kernel == "backward":  # the running dw read in after the first chunk, left in float32 before the last
-            cfg = dataclasses.replace(cfg, dw_from_running=chunk_role in ("middle", "last"),
-                                      dw_to_running=chunk_role in ("first", "middle"))
+        if kernel == "backward":
+            reads, writes = running_dw(chunk_role)
+            cfg = dataclasses.replace(cfg, dw_from_running=reads, dw_to_running=writes)
         if delta_over_logits is not None and kernel == "backward":
             cfg = dataclasses.replace(cfg, delta_over_logits=delta_over_logits)
         if x_transposed is not None and kernel == "backward":

@@ -12,6 +12,12 @@ KERNELS = ("forward", "backward")
 CHUNK_ROLES = ("only", "first", "middle", "last")
 
 
+def running_dw(chunk_role: str) -> tuple[bool, bool]:
+    """``(reads, writes)``: whether a chunk of this role reads the float32 running ``dw`` (after the first chunk)
+    and writes it (before the last; else the finished ``dw`` goes out in ``w``'s dtype)."""
+    return chunk_role in ("middle", "last"), chunk_role in ("first", "middle")
+
+
 def chunk_roles(chunks: int) -> dict[str, int]:
     """How many chunks of a kept-logits call of ``chunks`` chunks take each role (:data:`CHUNK_ROLES`)."""
     if chunks < 1:

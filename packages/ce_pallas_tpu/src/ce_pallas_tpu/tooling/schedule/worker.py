@@ -20,7 +20,7 @@ from typing import Any
 from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS, kernel_matmuls, mxu_cycles
 from ce_pallas_tpu.tooling.schedule.dumps import read_kernel_trace
 from ce_pallas_tpu.tooling.schedule.grid_fit import BilinearFit, grid_points, small_grid
-from ce_pallas_tpu.tooling.schedule.records import Job, KernelSchedule
+from ce_pallas_tpu.tooling.schedule.records import Job, KernelSchedule, running_dw
 
 OP_NAMES = {"forward": "ce_pallas_tpu_forward", "backward": "ce_pallas_tpu_backward"}
 
@@ -86,9 +86,8 @@ def block_bytes_per_step(job: Job, cfg: Any) -> float:
     x_bytes, w_bytes = jnp.dtype(job.x_dtype).itemsize, jnp.dtype(job.w_dtype).itemsize
     logits = 4 * cfg.block_b * cfg.block_v if job.keep_logits else 0  # the kept logits' block, out or in
     if job.kernel == "backward" and job.keep_logits:  # x and dx stay in VMEM for the chunk (per hidden tile)
-        # dw per vocab block: the float32 running sum read (after the first chunk) and written (before the last
-        # chunk), or the finished block written in w's dtype (the last chunk, or the only one).
-        reads, writes = job.chunk_role in ("middle", "last"), job.chunk_role in ("first", "middle")
+        # dw per vocab block: the float32 running sum read and written, or the finished block in w's dtype.
+        reads, writes = running_dw(job.chunk_role)
         dw_bytes = 4 * reads + (4 if writes else w_bytes)
         return (cfg.block_b * cfg.hidden_tile * (x_bytes + 4) / cfg.nv_per_core
                 + cfg.hidden_tile * cfg.block_v * (w_bytes + dw_bytes) / cfg.nb + logits)
