@@ -295,7 +295,7 @@ def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gain
         assert plan.chunk >= kept_logits.hiding_chunk(8192, 2, target)
         halves = kept_logits._fit_split(4096, 8192, 128256, bf16, bf16, spec, target, budget[target], 2, False)
         quarters = kept_logits._fit_split(4096, 8192, 128256, bf16, bf16, spec, target, budget[target], 4, False)
-        assert halves[2] < quarters[2]  # two tiles fit a shorter chunk
+        assert halves is not None and quarters is not None and halves[2] < quarters[2]  # two tiles: shorter chunk
         assert plan.running_dw_shape[0] == 8192  # the running dw stays whole: each tile adds its rows
         kept, recompute = kept_logits.estimated_seconds(plan, bf16, target)  # the logits read once per tile
         assert kept < 0.9 * recompute
@@ -304,7 +304,7 @@ def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gain
     llama8b = kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v6e)
     assert (llama8b.chunks, llama8b.backward.hidden_split) == (1, 2)
     whole = kept_logits._fit_split(4096, 4096, 128256, bf16, bf16, spec, v6e, budget[v6e], 1, False)
-    assert whole[2] == 1536 and not kept_logits._starved(whole, 4096, bf16, v6e)
+    assert whole is not None and whole[2] == 1536 and not kept_logits._starved(whole, 4096, bf16, v6e)
     v5e_70b = kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, spec, v5e)
     assert (v5e_70b.chunk, v5e_70b.backward.hidden_split) == (1024, 2)
     with pytest.MonkeyPatch.context() as patch:  # a chunk set by hand is taken as it is, whole
@@ -388,6 +388,34 @@ def test_the_kept_forward_fits_vmem_with_the_most_logits_a_step_and_the_most_row
         if 2 * b <= recompute[0]:  # as many logits, more rows: does not fit
             assert need(2 * b, bv // 2) > budget
         assert (plan.forward.block_b, plan.forward.block_v) == chosen
+
+
+def test_a_kept_plans_kernels_fit_vmem_or_the_kept_path_is_refused_while_tracing():
+    """Both kernels of every kept plan fit the generation's VMEM budget, awkward heads included; where no
+    chunk's would (a hidden size whose resident ``x`` and float32 ``dx`` fill VMEM at 256 tokens),
+    ``keep_logits=True`` is refused with ``UnsupportedError`` naming the argument and the default recomputes.
+    TPU7x, a [4904, 1185] head at 17143 tokens went to libtpu in 1792-token chunks needing 67 MB of its 64
+    (a random-shape run, 2026-12-02): a one-block vocabulary of 1185 entries was never narrowed."""
+    from ce_core import UnsupportedError
+    from ce_pallas_tpu import ops
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+    from ce_pallas_tpu.tiling import vmem_budget
+
+    bf16 = jnp.bfloat16
+    for gen, n, h, v, layout in (("tpu7x", 17143, 4904, 1185, "hv"), ("tpu7x", 1800, 4904, 1185, "hv"),
+                                 ("v5p", 5000, 7000, 1500, "vh"), ("v6e", 3000, 20000, 32000, "hv"),
+                                 ("v5e", 4097, 4096, 128256, "hv")):
+        target = Target(gen, CHIP_FACTS[gen].num_cores, None)
+        spec = StatsSpec(w_layout=layout)
+        plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, spec, target)
+        shape = ops.problem_shape(plan.chunk, h, v, bf16, bf16, spec)
+        budget = vmem_budget(target)
+        assert kept_logits._backward_need(plan.backward, shape) <= budget, (gen, h, v)
+        assert kept_logits._forward_need(plan.forward, shape, target) <= budget, (gen, h, v)
+    tpu7x = Target("tpu7x", CHIP_FACTS["tpu7x"].num_cores, None)
+    with pytest.raises(UnsupportedError, match="keep_logits=True"):
+        kept_logits.plan_chunks(4096, 20000, 32000, bf16, bf16, StatsSpec(keep_logits=True), tpu7x)
+    assert kept_logits.choose(4096, 20000, 32000, bf16, bf16, StatsSpec(), tpu7x) is None
 
 
 def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interpret):

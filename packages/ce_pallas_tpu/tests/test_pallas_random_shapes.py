@@ -154,3 +154,13 @@ def test_a_small_tied_head_near_the_scoped_vmem_limit_compiles():
     problem = RandomProblem("v6e", 244, 4328, 1898, "bfloat16", "vh", (("logit_soft_cap", 30.0),))
     result = _compile(problem)
     assert result.ok and result.temp_bytes is not None, f"{problem}: {result.error}"
+
+
+def test_a_wide_head_of_a_small_vocabulary_compiles_in_kept_chunks_that_fit_vmem():
+    """Found by CI's run of 2026-12-02: a ``[4904, 1185]`` bf16 head on TPU7x at 17143 tokens went to libtpu in
+    1792-token kept chunks whose backward needed 67.5 MB of VMEM against 64 (no chunk fitted the one-block
+    vocabulary, never narrowed, and the planner passed the last one tried); it now takes 512-token chunks."""
+    problem = RandomProblem("tpu7x", 17143, 4904, 1185, "bfloat16", "hv", ())
+    result = _compile(problem)
+    assert result.ok and result.temp_bytes is not None, f"{problem}: {result.error}"
+    assert result.temp_bytes <= hbm_bound(problem.generation, problem.n, problem.h, problem.v)

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ce_core import CotangentFn, RowStats, StatsSpec
+from ce_core import CotangentFn, RowStats, StatsSpec, UnsupportedError
 from ce_core.extend import vary_like
 from ce_pallas_tpu import cost_model, tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
@@ -164,7 +164,8 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     preference, whose :func:`estimated_seconds` is within :data:`PLAN_TOLERANCE` of the fastest's: 4096 tokens of
     Llama-3 8B's head on v6e go in one chunk in two hidden tiles rather than three whole 1536-token chunks (a eighth
     more rows than tokens, each chunk's float32 ``dw`` traffic barely hidden), 16384 of Llama-3 70B's in eight
-    2048-token chunks rather than six of 3072.
+    2048-token chunks rather than six of 3072. Raises ``UnsupportedError`` where no chunk of
+    :data:`MIN_FITTED_CHUNK` tokens or more fits (:func:`choose` then recomputes).
     """
     target = current_target() if target is None else target
     searching = chunk_tokens is None and CHUNK_TOKENS is None
@@ -173,13 +174,21 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     budget = tiling.vmem_budget(target)
     plans: list[KeptPlan] = []
     split, explicit = HIDDEN_SPLIT if hidden_split is None else hidden_split, _explicit_tiles(spec)
-    for forward, backward, chunk in _fits(min(n, chunk_tokens), h, v, x_dtype, w_dtype, spec, target, budget, split):
+    fits = _fits(min(n, chunk_tokens), h, v, x_dtype, w_dtype, spec, target, budget, split)
+    if not fits:
+        raise UnsupportedError(
+            f"pallas_tpu: keep_logits=True, but no kept-logits chunk of {MIN_FITTED_CHUNK} or more tokens of a "
+            f"head with h={h}, v={v} fits {target.generation}'s VMEM budget of {budget} bytes"
+            + (" with the block_sizes given" if explicit else "")
+            + "; keep_logits=None or False recomputes the logits instead")
+    for forward, backward, chunk in fits:
         plans.append(_plan(n, h, v, spec, *_chunked(n, forward, backward, chunk)))
         fewest = cdiv(n, chunk)
         for count in range(fewest + 1, 2 * fewest + 1) if searching else ():  # more, shorter chunks
             shorter = round_up(cdiv(n, count), 256)
             refit = _fit_split(shorter, h, v, x_dtype, w_dtype, spec, target, budget, backward.hidden_split, explicit)
-            plans.append(_plan(n, h, v, spec, *_chunked(n, *refit)))
+            if refit is not None:
+                plans.append(_plan(n, h, v, spec, *_chunked(n, *refit)))
     preferred = plans[0]  # the search trades speed, not memory: no alternative holds much more than it
     plans = [plan for plan in dict.fromkeys(plans) if plan.extra_bytes <= PLAN_MEMORY_GROWTH * preferred.extra_bytes]
     seconds = {plan: estimated_seconds(plan, w_dtype, target)[0] for plan in plans}
@@ -291,7 +300,10 @@ def choose(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
     if n == 0:
         return None
     budget = keep_logits_budget(target) if budget_bytes is None else budget_bytes
-    plan = budgeted_plan(n, h, v, x_dtype, w_dtype, spec, target, budget)
+    try:
+        plan = budgeted_plan(n, h, v, x_dtype, w_dtype, spec, target, budget)
+    except UnsupportedError:  # no chunk's kernels fit VMEM: the recompute path's tile in the hidden size
+        return None
     if plan.extra_bytes > budget:
         return None
     kept, recompute = estimated_seconds(plan, w_dtype, target)
@@ -334,9 +346,13 @@ def _fits(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpe
     chunks (backward 1.36 of its MXU minimum, HBM level with the MXU), four 3072 (1.18)."""
     explicit = _explicit_tiles(spec)
     if split is not None or explicit:
-        return [_fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, split or 1, explicit)]
-    fits = [_fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, tiles, explicit)
-            for tiles in HIDDEN_SPLITS if tiles == 1 or (round_up(h, 128) == h and h % (128 * tiles) == 0)]
+        fitted = _fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, split or 1, explicit)
+        return [] if fitted is None else [fitted]
+    tried = [_fit_split(chunk, h, v, x_dtype, w_dtype, spec, target, budget, tiles, explicit)
+             for tiles in HIDDEN_SPLITS if tiles == 1 or (round_up(h, 128) == h and h % (128 * tiles) == 0)]
+    fits = [fit for fit in tried if fit is not None]
+    if not fits:
+        return []
     whole = fits[0]
     preferred = max(fits, key=lambda fit: fit[2]) if _starved(whole, h, w_dtype, target) else whole
     return [preferred, *(fit for fit in fits if fit is not preferred and not _starved(fit, h, w_dtype, target))]
@@ -358,10 +374,12 @@ def _starved(fitted: tuple[ForwardConfig, BackwardConfig, int], h: int, w_dtype:
 
 
 def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
-               budget: int, split: int, explicit: bool) -> tuple[ForwardConfig, BackwardConfig, int]:
+               budget: int, split: int, explicit: bool) -> tuple[ForwardConfig, BackwardConfig, int] | None:
     """Both kernels' configs and the chunk, the backward's hidden size in ``split`` tiles: the largest chunk
-    (from ``chunk`` down, by 512 tokens to 1024, then halving) whose backward fits VMEM with vocab blocks of
-    at least :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, else ``chunk`` with narrower ones."""
+    (from ``chunk`` down, by 512 tokens to 1024, then halving to :data:`MIN_FITTED_CHUNK`) whose kernels fit
+    VMEM with vocab blocks of at least :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, else with narrower ones;
+    ``None`` where none fits (the chunk's resident ``x`` and float32 ``dx`` alone can fill VMEM: tpu7x, a
+    head with ``H = 4904`` of ``V = 1185`` entries, went to libtpu at 1792 tokens, 67 MB of its 64)."""
     for floor in (PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side, 256):
         size = chunk
         while True:
@@ -369,14 +387,13 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
             shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
             backward = _fit_backward(base, shape, budget, floor, explicit, split, target)
             if _backward_need(backward, shape) <= budget:
-                return _fit_forward(base, shape, target, budget, explicit), backward, size
+                forward = _fit_forward(base, shape, target, budget, explicit)
+                if _forward_need(forward, shape, target) <= budget:
+                    return forward, backward, size
             if size <= MIN_FITTED_CHUNK:
                 break
             size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
-    base = make_plan(chunk, h, v, x_dtype, w_dtype, spec, target)  # nothing fits: the compile will say so
-    shape = problem_shape(chunk, h, v, x_dtype, w_dtype, spec)
-    backward = _fit_backward(base, shape, budget, 256, explicit, split, target)
-    return _fit_forward(base, shape, target, budget, explicit), backward, chunk
+    return None
 
 
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int, explicit: bool) -> ForwardConfig:
@@ -508,10 +525,19 @@ def _widest_fitting(cfg: BackwardConfig, shape: cost_model.Shape, budget: int, f
                                         num_cores=min(cfg.num_cores, cdiv(cfg.v, block_v)))
             if _backward_need(trial, shape) <= budget:
                 return trial
-            if block_v <= max(floor, lane) or block_v % (2 * lane):
+            if block_v <= max(floor, lane):
                 break
-            block_v //= 2
+            block_v = _narrower_width(block_v, lane)
     return cfg
+
+
+def _narrower_width(block_v: int, lane: int) -> int:
+    """The next vocab block to try below ``block_v``: half of it where that is whole MXU widths, else the
+    widest power-of-two number of MXU widths below it (a one-block vocabulary of 1185 entries narrows to
+    1024, then halves)."""
+    if block_v % (2 * lane) == 0:
+        return block_v // 2
+    return lane * 2 ** ((block_v - 1) // lane).bit_length() // 2
 
 
 def row_stats_and_grads(
