@@ -23,12 +23,14 @@ def _tool():
 
 
 def test_bf16_logits_below_their_block_max_keep_the_float32_gradients_and_plain_bf16_does_not():
-    """Logits of standard deviation 4: stored in bf16 below their vocab block's row maximum, the bf16 ``dx`` and
-    ``dw`` are as far from the float64 oracle as with float32 logits (within 2%; before their own rounding within
-    15%); rounded to bf16 as they are, several times farther."""
+    """Logits of standard deviation 4: stored in bf16 below their vocab block's row maximum (or its lane's), the
+    bf16 ``dx`` and ``dw`` are as far from the float64 oracle as with float32 logits (within 2%; before their own
+    rounding within 15%); rounded to bf16 as they are, several times farther."""
     tool = _tool()
     for seed in range(2):
         errs = tool.errors(seed, 512, 256, 4000, 4.0, 1024, None)
-        f32, blocked, plain = (np.array(errs[store]) for store in ("float32", "bf16 - block max", "bf16"))
-        assert np.all(blocked[:2] <= 1.02 * f32[:2]) and np.all(blocked[2:] <= 1.15 * f32[2:]), (blocked, f32)
+        f32, plain = np.array(errs["float32"]), np.array(errs["bf16"])
+        for store in ("bf16 - block max", "bf16 - lane max"):
+            below = np.array(errs[store])
+            assert np.all(below[:2] <= 1.02 * f32[:2]) and np.all(below[2:] <= 1.15 * f32[2:]), (store, below, f32)
         assert np.all(plain >= 3 * f32), (plain, f32)

@@ -14,6 +14,8 @@ gradient products, ``dx`` and ``dw`` rounded to bf16 on output. The kept logits 
 - ``bf16``: the logit rounded as it is (its error grows with the logit's magnitude);
 - ``bf16 - block max``: the logit minus its vocab block's row maximum, with that maximum kept in
   float32 beside it (one ``[rows, vocab blocks]`` column per block: a kernel knows it when it writes);
+- ``bf16 - lane max``: minus the maximum over the block's columns of the same lane (``c mod 128``), what a
+  streamed kernel step can form with one elementwise ``max`` per logit (no cross-lane reduction);
 - ``bf16 - lse``: minus the row's logsumexp (known only after the row's last block: a bound, not a plan).
 
 Each is the worst over seeds of ``max|err| / max|oracle|`` (``ce_core.testing.max_rel_error``) of ``dx``
@@ -30,7 +32,8 @@ import numpy as np
 
 from ce_core.testing import max_rel_error
 
-STORES = ("float32", "bf16", "bf16 - block max", "bf16 - lse")
+LANES = 128
+STORES = ("float32", "bf16", "bf16 - block max", "bf16 - lane max", "bf16 - lse")
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -74,8 +77,13 @@ def errors(seed: int, n: int, h: int, v: int, scale: float, block_v: int,
     blocks = -(-v // block_v)
     block_max = np.concatenate([np.repeat(z32[:, j * block_v:(j + 1) * block_v].max(1, keepdims=True),
                                           min(block_v, v - j * block_v), axis=1) for j in range(blocks)], axis=1)
+    lane_max = np.empty_like(z32)
+    for start in range(0, v, block_v):
+        block = z32[:, start:start + block_v]
+        for lane in range(min(LANES, block.shape[1])):
+            lane_max[:, start + lane:start + block_v:LANES] = block[:, lane::LANES].max(1, keepdims=True)
     kept = {"float32": z32, "bf16": _bf16(z32), "bf16 - block max": _bf16(z32 - block_max) + block_max,
-            "bf16 - lse": _bf16(z32 - lse) + lse}
+            "bf16 - lane max": _bf16(z32 - lane_max) + lane_max, "bf16 - lse": _bf16(z32 - lse) + lse}
     out = {}
     for store, logits in kept.items():
         d = _bf16((np.exp(logits - lse) - onehot) * _f32(chain(raw32)) / n)  # delta, bf16 for the MXU
