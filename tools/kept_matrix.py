@@ -387,7 +387,7 @@ def cmd_table(args: argparse.Namespace) -> None:
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in selected:
             fwd_bwd = (r.get("kept_fwd_ratio"), r.get("kept_bwd_ratio"))
-            ratios = "" if fwd_bwd[0] is None else f" ({fwd_bwd[0]:.3f}/{fwd_bwd[1]:.3f})"
+            ratios = "" if fwd_bwd == (None, None) else f" ({_f(fwd_bwd[0], 3)}/{_f(fwd_bwd[1], 3)})"
             print(f"| {r['head']}{' (vh)' if r['w_layout'] == 'vh' else ''} | {r['n']} | {r['chunk']} "
                   f"| {_f(r.get('kept_kernels_ms'))}{ratios} | {_f(r['kept_xla_ms'])} | {_f(r.get('kept_ms'))} "
                   f"| {_f(r.get('kept_8nhv'), 3)} | {_f(r.get('recompute_ms'))} | {_f(r.get('recompute_8nhv'), 3)} "
