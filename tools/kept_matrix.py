@@ -1,6 +1,6 @@
 """The kept-logits kernels across the model-head matrix, from libtpu's static schedule (no TPU needed).
 
-    uv run python tools/kept_matrix.py kernels GEN [--heads a,b] [--skip-recompute | --only-recompute]
+    uv run python tools/kept_matrix.py kernels GEN [--heads a,b] [--skip-recompute | --only-recompute] [--tokens 4096]
     uv run python tools/kept_matrix.py materialised GEN --heads a,b --v-small 8192 --tokens 2048,4096
     uv run python tools/kept_matrix.py table [--save]
 
@@ -93,9 +93,10 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 
     gen = args.gen
     jobs, plans = [], {}
+    tokens = TOKENS if args.tokens is None else tuple(int(t) for t in args.tokens.split(","))
     for name, h, v in heads(args.heads):
         lay = layout(name)
-        for n in TOKENS:
+        for n in tokens:
             plan = kept_plan(gen, n, h, v, lay)
             plans[f"{name}@{n}"] = {"head": name, "n": n, "h": h, "v": v, "w_layout": lay, "chunk": plan.chunk,
                                     "chunks": plan.chunks, "extra_bytes": plan.extra_bytes,
@@ -116,13 +117,13 @@ def cmd_kernels(args: argparse.Namespace) -> None:
                 jobs += [job for job in kept if job not in jobs]
     if not args.skip_recompute:
         for name, h, v in heads(args.heads):
-            jobs += [schedule.Job(k, n, h, v, w_layout=layout(name)) for n in TOKENS for k in ("forward", "backward")]
+            jobs += [schedule.Job(k, n, h, v, w_layout=layout(name)) for n in tokens for k in ("forward", "backward")]
     start = time.time()
     records = schedule.measure(gen, jobs)
     data = load()
     data.setdefault("environment", environment())
     kernels = data.setdefault("kernels", {}).setdefault(gen, [])
-    if not args.only_recompute:  # kept records of an earlier plan (another chunk) of these heads are stale
+    if not args.only_recompute and set(tokens) == set(TOKENS):  # earlier plans' kept records (other chunks): stale
         current = [dataclasses.asdict(job) for job in jobs]
         measured = {(h, v) for _, h, v in heads(args.heads)}
         kernels[:] = [old for old in kernels if not old["job"]["keep_logits"] or old["job"] in current
@@ -420,6 +421,8 @@ def main(argv: list[str]) -> int:
     kernels.add_argument("--heads")
     kernels.add_argument("--skip-recompute", action="store_true")
     kernels.add_argument("--only-recompute", action="store_true")
+    kernels.add_argument("--tokens", help="comma-separated token counts of TOKENS (default all; a subset keeps the "
+                         "other counts' records)")
     kernels.set_defaults(fn=cmd_kernels)
     mat = sub.add_parser("materialised")
     mat.add_argument("gen", choices=GENERATIONS)
