@@ -390,7 +390,7 @@ def test_the_kept_forward_fits_vmem_with_the_most_logits_a_step_and_the_most_row
         assert (plan.forward.block_b, plan.forward.block_v) == chosen
 
 
-def test_a_kept_plans_kernels_fit_vmem_or_the_kept_path_is_refused_while_tracing():
+def test_a_kept_plans_kernels_fit_vmem_or_the_kept_path_is_refused_while_tracing(interpret):
     """Both kernels of every kept plan fit the generation's VMEM budget, awkward heads included; where no
     chunk's would (a hidden size whose resident ``x`` and float32 ``dx`` fill VMEM at 256 tokens),
     ``keep_logits=True`` is refused with ``UnsupportedError`` naming the argument and the default recomputes.
@@ -416,6 +416,20 @@ def test_a_kept_plans_kernels_fit_vmem_or_the_kept_path_is_refused_while_tracing
     with pytest.raises(UnsupportedError, match="keep_logits=True"):
         kept_logits.plan_chunks(4096, 20000, 32000, bf16, bf16, StatsSpec(keep_logits=True), tpu7x)
     assert kept_logits.choose(4096, 20000, 32000, bf16, bf16, StatsSpec(), tpu7x) is None
+    # Through the API: refused while tracing, before any kernel, so an implementation list moves on.
+    interpret("tpu7x")
+    x, labels, w = (jax.ShapeDtypeStruct((512, 20000), bf16), jax.ShapeDtypeStruct((512,), jnp.int32),
+                    jax.ShapeDtypeStruct((20000, 3000), bf16))
+
+    def gradient(implementation):
+        loss = functools.partial(linear_cross_entropy, implementation=implementation, keep_logits=True)
+        return jax.eval_shape(jax.grad(lambda x, w, labels: loss(x, labels, w), argnums=(0, 1)), x, w, labels)
+
+    with pytest.raises(UnsupportedError, match="keep_logits=True"):
+        gradient("pallas_tpu")
+    with pytest.warns(UserWarning, match="falling back to 'xla'"):
+        dx, dw = gradient(["pallas_tpu", "xla"])
+    assert dx.shape == x.shape and dw.shape == w.shape
 
 
 def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interpret):

@@ -61,6 +61,9 @@ class PallasTpuBackend(Backend):
         if problem.n > 0:
             ops.make_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype, problem.spec,
                           current)
+        if problem.n > 0 and problem.spec.keep_logits:  # UnsupportedError where no kept chunk fits VMEM
+            kept_logits.plan_chunks(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype,
+                                    problem.spec, current)
 
     def block_sizes_for(self, problem: Problem) -> TileReport:
         """The forward and backward tiles and grids for ``problem`` on the current target, and their source;
