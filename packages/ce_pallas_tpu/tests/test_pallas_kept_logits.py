@@ -413,6 +413,10 @@ def test_a_kept_plans_kernels_fit_vmem_or_the_kept_path_is_refused_while_tracing
         assert kept_logits._backward_need(plan.backward, shape) <= budget, (gen, h, v)
         assert kept_logits._forward_need(plan.forward, shape, target) <= budget, (gen, h, v)
     tpu7x = Target("tpu7x", CHIP_FACTS["tpu7x"].num_cores, None)
+    # A chunk shrunk to fit stays in whole 256s and its backward's token block a whole 128-row multiple that
+    # divides it (1792 -> 768 tokens in one 768-row block; before, 896 and then 448 in the recompute's 16 rows).
+    fitted = kept_logits._fit_split(1792, 4904, 1185, bf16, bf16, StatsSpec(), tpu7x, vmem_budget(tpu7x), 1, False)
+    assert fitted is not None and fitted[2] == 768 and fitted[1].block_b == 768
     with pytest.raises(UnsupportedError, match="keep_logits=True"):
         kept_logits.plan_chunks(4096, 20000, 32000, bf16, bf16, StatsSpec(keep_logits=True), tpu7x)
     assert kept_logits.choose(4096, 20000, 32000, bf16, bf16, StatsSpec(), tpu7x) is None

@@ -376,9 +376,9 @@ def _starved(fitted: tuple[ForwardConfig, BackwardConfig, int], h: int, w_dtype:
 def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec, target: Target,
                budget: int, split: int, explicit: bool) -> tuple[ForwardConfig, BackwardConfig, int] | None:
     """Both kernels' configs and the chunk, the backward's hidden size in ``split`` tiles: the largest chunk
-    (from ``chunk`` down, by 512 tokens to 1024, then halving to :data:`MIN_FITTED_CHUNK`) whose kernels fit
-    VMEM with vocab blocks of at least :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, else with narrower ones;
-    ``None`` where none fits (the chunk's resident ``x`` and float32 ``dx`` alone can fill VMEM: tpu7x, a
+    (from ``chunk`` down, by 512 tokens to 1024, then halving to :data:`MIN_FITTED_CHUNK`, in whole 256s) whose
+    kernels fit VMEM with vocab blocks of at least :data:`PREFERRED_BLOCK_V_WIDTHS` MXU widths, else with
+    narrower ones; ``None`` where none fits (the chunk's resident ``x`` and float32 ``dx`` alone can fill VMEM: tpu7x, a
     head with ``H = 4904`` of ``V = 1185`` entries, went to libtpu at 1792 tokens, 67 MB of its 64)."""
     for floor in (PREFERRED_BLOCK_V_WIDTHS * target.facts.mxu_side, 256):
         size = chunk
@@ -392,7 +392,7 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
                     return forward, backward, size
             if size <= MIN_FITTED_CHUNK:
                 break
-            size = max(MIN_FITTED_CHUNK, size - 512 if size > 1024 and size % 512 == 0 else size // 2)
+            size = max(MIN_FITTED_CHUNK, (size - 512 if size > 1024 else size // 2) // 256 * 256)
     return None
 
 
@@ -516,8 +516,9 @@ def _widest_fitting(cfg: BackwardConfig, shape: cost_model.Shape, budget: int, f
     lane = max(cfg.mxu_side, 128)
     # A vocabulary of one block takes exactly V columns (a block may equal the array's extent, not exceed it).
     widest = cfg.v if cfg.v <= KEPT_MAX_BLOCK_V else KEPT_MAX_BLOCK_V
-    token_blocks = [b for b in (1024, 768, 512, 384, 256) if b <= KEPT_MAX_BLOCK_B and cfg.n % b == 0]
-    token_blocks = token_blocks or [cfg.block_b]
+    # Whole 128-row multiples that divide the chunk, largest first (an 896-token chunk in one block, not in the
+    # recompute plan's: 16 rows for TPU7x's [4904, 1185] head); else the recompute plan's.
+    token_blocks = [b for b in range(KEPT_MAX_BLOCK_B // 128 * 128, 255, -128) if cfg.n % b == 0] or [cfg.block_b]
     for block_b in token_blocks:
         block_v = widest
         while True:
