@@ -106,15 +106,18 @@ def cmd_kernels(args: argparse.Namespace) -> None:
                                     "backward_tiles": [plan.backward.block_b, plan.backward.block_h,
                                                        plan.backward.block_v],
                                     "backward_cores": plan.backward.num_cores,
-                                    "backward_x_transposed": plan.backward.x_transposed}
-            # The backward of each role its chunks take (the float32 dw started, added onto, ended differently).
-            kept = [schedule.Job("forward", plan.chunk, h, v, w_layout=lay, keep_logits=True,
-                                 hidden_split=plan.backward.hidden_split)]
-            kept += [schedule.Job("backward", plan.chunk, h, v, w_layout=lay, keep_logits=True,
-                                  hidden_split=plan.backward.hidden_split, chunk_role=role)
-                     for role in schedule.chunk_roles(plan.chunks)]
+                                    "backward_x_transposed": plan.backward.x_transposed,
+                                    "pieces": list(plan.pieces)}
+            # The forward once a chunk, the backward once a piece of each chunk in its call's role (the float32 dw
+            # started, added onto, ended differently), and the middle role of each piece's rows: a stand-in for the
+            # cycles of a role whose profile reads below its MXU minimum (the last's, on v6e).
+            calls = schedule.kept_jobs(plan, w_layout=lay)
+            plans[f"{name}@{n}"]["calls"] = [[job.kernel, job.n, job.chunk_role, count] for job, count in calls]
+            kept = [job for job, _ in calls]
+            kept += [dataclasses.replace(job, chunk_role="middle") for job in kept
+                     if job.kernel == "backward" and job.chunk_role != "middle"]
             if not args.only_recompute:
-                jobs += [job for job in kept if job not in jobs]
+                jobs += [job for job in dict.fromkeys(kept) if job not in jobs]
     if not args.skip_recompute:
         for name, h, v in heads(args.heads):
             jobs += [schedule.Job(k, n, h, v, w_layout=layout(name)) for n in tokens for k in ("forward", "backward")]
@@ -184,6 +187,25 @@ def _usable(record: dict | None) -> dict | None:
     if record is None or record.get("error") or (record.get("ratio") or 0.0) < 1.0:
         return None
     return record
+
+
+def _backward_record(records: list[dict], plan: dict, rows: int, role: str) -> dict | None:
+    """The record of ``plan``'s backward over ``rows`` rows in ``role``, at the plan's tiles."""
+    return _find(records, kernel="backward", n=rows, h=plan["h"], v=plan["v"], keep_logits=True,
+                 w_layout=plan["w_layout"], tiles=plan["backward_tiles"], chunk_role=role)
+
+
+def _backward_ms(records: list[dict], plan: dict, rows: int, role: str) -> float | None:
+    """That backward's ms: its record's, or where that is missing, failed or reads below the MXU minimum, the
+    middle role's cycles at the same rows beside the role's own HBM floor (the middle's without one)."""
+    own, middle = _backward_record(records, plan, rows, role), _usable(_backward_record(records, plan, rows, "middle"))
+    usable = _usable(own)
+    if usable is not None:
+        return _ms(usable)
+    if middle is None:
+        return None
+    floor = own["hbm_floor_us"] if own is not None and own.get("hbm_floor_us") else middle["hbm_floor_us"]
+    return max(middle["kernel_us"], floor) / 1e3
 
 
 def point_ms(gen: str, e: dict) -> float:
@@ -281,18 +303,23 @@ def rows() -> list[dict]:
             # The kernels the plan runs: records of another plan at the same chunk (other tiles) do not count.
             fwd = _find(records, kernel="forward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay,
                         tiles=plan["forward_tiles"])
-            # Each role's backward; a role not measured (records before 2026-12-01), failed, or profiled below its
-            # MXU minimum (impossible: v6e Llama-3 8B's last 1536-token chunk read 0.62) counts at the middle's.
-            roles = chunk_roles(plan["chunks"])
-            by_role = {role: _usable(_find(records, kernel="backward", n=chunk, h=h, v=v, keep_logits=True,
-                                           w_layout=lay, tiles=plan["backward_tiles"], chunk_role=role))
-                       for role in (*roles, "middle")}
-            bwd = by_role[next(iter(roles))] or by_role["middle"]
+            # Each backward call (a chunk, or a piece of one: plans since 2026-12-02 list their calls) in its role;
+            # a role not measured (records before 2026-12-01), failed, or profiled below its MXU minimum (impossible:
+            # v6e Llama-3 8B's last 1536-token chunk read 0.62) counts at the middle role's cycles at the same rows
+            # and its own HBM floor where it has one.
+            calls = [(rows, role, count) for kernel, rows, role, count in plan.get("calls", []) if kernel == "backward"]
+            calls = calls or [(chunk, role, count) for role, count in chunk_roles(plan["chunks"]).items()]
+            roles = {f"{rows}:{role}": count for rows, role, count in calls}
+            by_role = {f"{rows}:{role}": _usable(_backward_record(records, plan, rows, role))
+                       for rows, role, _ in calls}
+            bwd = next((record for record in by_role.values() if record is not None), None)
+            bwd = bwd or _usable(_backward_record(records, plan, calls[0][0], "middle"))
             rfwd = _find(records, kernel="forward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             rbwd = _find(records, kernel="backward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             mxu_ms = 8 * n * h * v / peak * 1e3
             row = {"gen": gen, "head": name, "n": n, "h": h, "v": v, "w_layout": lay, "chunk": chunk,
                    "chunks": plan["chunks"], "extra_gib": plan["extra_bytes"] / 2**30, "mxu_8nhv_ms": mxu_ms,
+                   "pieces": plan.get("pieces", []),
                    "kept_bwd_roles_as_middle": [role for role in roles if by_role[role] is None]}
             fm, bm = (None if r is None else _ms(r) for r in (fwd, bwd))
             row["kept_fwd_ratio"] = None if fwd is None else fwd.get("ratio")
@@ -309,6 +336,8 @@ def rows() -> list[dict]:
             dx_bytes = plan["chunks"] * (plan["backward_cores"] * 4 * chunk * hp + 4 * chunk * h)
             if plan.get("backward_x_transposed"):  # the chunk's x transposed for the backward: bf16 read, written
                 dx_bytes += plan["chunks"] * 4 * chunk * hp
+            if plan.get("pieces"):  # the pieces' dx joined into the chunk's: bf16 read and written
+                dx_bytes += plan["chunks"] * 4 * chunk * h
             row["pre_27cad1a_xla_dw_ms"] = dw_bytes / chip.hbm_bytes_per_s * 1e3
             row["kept_xla_dx_ms"] = dx_bytes / chip.hbm_bytes_per_s * 1e3
             row["kept_xla_ms"] = row["kept_xla_dx_ms"]
@@ -316,10 +345,10 @@ def rows() -> list[dict]:
                 row["kept_fwd_ms_chunk"], row["kept_bwd_ms_chunk"] = fm, bm
                 row["kept_bwd_hbm_bound"] = bwd["hbm_floor_us"] > bwd["kernel_us"]
                 row["kept_fwd_hbm_bound"] = fwd["hbm_floor_us"] > fwd["kernel_us"]
-                role_ms = {role: _ms(by_role[role] or by_role["middle"] or bwd) or bm for role in roles}
+                role_ms = {f"{rows}:{role}": _backward_ms(records, plan, rows, role) or bm for rows, role, _ in calls}
                 row["kept_bwd_ms_by_role"] = role_ms
-                backward_ms = sum(count * role_ms[role] for role, count in roles.items())
-                row["kept_kernels_ms"] = plan["chunks"] * fm + backward_ms  # fm: checked above
+                backwards_ms = sum(count * role_ms[role] for role, count in roles.items())
+                row["kept_kernels_ms"] = plan["chunks"] * fm + backwards_ms  # fm: checked above
                 row["kept_ms"] = row["kept_kernels_ms"] + row["kept_xla_ms"]
                 row["kept_kernels_8nhv"] = row["kept_kernels_ms"] / mxu_ms
                 row["kept_8nhv"] = row["kept_ms"] / mxu_ms

@@ -127,7 +127,8 @@ def test_the_8nhv_minimum_uses_the_chip_peak() -> None:
     assert step_schedule.minimum_ms("v5e", 8192, 4096, 128256) == pytest.approx(174.8, abs=0.05)
 
 
-def _fake_ops(generation: str, path: str, n: int, h: int, v: int, loop: tuple[int, int] | None = None) -> step.StepOps:
+def _fake_ops(generation: str, path: str, n: int, h: int, v: int,
+              loop: tuple[int, int, int] | None = None) -> step.StepOps:
     clock = SCHEDULE_CHIPS[generation].clock_hz
     per_token_ms = 0.01 if path == "materialised" else 0.001
     cycles = (0.5 + per_token_ms * n) * clock / 1e3
@@ -135,7 +136,7 @@ def _fake_ops(generation: str, path: str, n: int, h: int, v: int, loop: tuple[in
 
 
 def _fake_kernels(shapes: list[Shape], kernels: tuple[str, ...],
-                  loops: list[tuple[int, int] | None]) -> list[list[dict[str, Any]]]:
+                  loops: list[tuple[int, int, int] | None]) -> list[list[dict[str, Any]]]:
     """20 ms a kernel (per chunk where the path loops: ``repeats`` chunks), per shape."""
     return [[{"kernel": k, "kernel_us": 20_000.0, "hbm_floor_us": 1_000.0, "error": None,
               **({"repeats": -(-shape.n // loop[0])} if loop else {})} for k in kernels]
@@ -181,26 +182,46 @@ def test_the_kept_step_is_compiled_at_its_full_size_plans_chunks_with_that_loop_
     n, h, v = 16384, 8192, 128256
     v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
     full = kept_logits.plan_chunks(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(keep_logits=True), v6e)
-    assert step.loop_plan("keep_logits", "v6e", n, h, v) == (full.chunk, full.backward.hidden_split)
+    assert step.loop_plan("keep_logits", "v6e", n, h, v) == (full.chunk, full.backward.hidden_split, 0)
     assert step.loop_plan("materialised", "v6e", n, h, v) is None
     small = kept_logits.plan_chunks(2 * full.chunk, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(keep_logits=True),
                                     v6e)
     assert small.chunk != full.chunk != kept_logits.default_chunk(h, 2, v6e)  # why the loop is pinned
-    asked: list[tuple[int, tuple[int, int] | None]] = []
+    asked: list[tuple[int, tuple[int, int, int] | None]] = []
 
-    def ops(generation: str, path: str, tokens: int, h_: int, v_: int, loop: tuple[int, int] | None) -> step.StepOps:
+    def ops(generation: str, path: str, tokens: int, h_: int, v_: int,
+            loop: tuple[int, int, int] | None) -> step.StepOps:
         asked.append((tokens, loop))
         return _fake_ops(generation, path, tokens, h_, v_, loop)
 
     [record] = step_schedule.run_step_schedule("v6e", [Shape(n, h, v)], ["keep_logits"], quiet=True,
                                                measure_ops=ops, kernel_schedule=_fake_kernels)
-    loop = (full.chunk, full.backward.hidden_split)
+    loop = (full.chunk, full.backward.hidden_split, 0)
     assert asked == [(full.chunk, loop), (2 * full.chunk, loop)]
     assert record["loop_chunk"] == full.chunk and record["loop_hidden_tiles"] == full.backward.hidden_split
     assert record["ops_tokens"] == [full.chunk, 2 * full.chunk]
     # The kernels from their grid fit at one chunk, once a chunk (the small compiles' kernels not counted).
     assert record["kernels_ms"] == pytest.approx(2 * 20.0 * full.chunks)
     assert record["ops_ms"] == pytest.approx(0.5 + 0.001 * n)
+
+
+def test_a_kept_step_whose_backward_runs_in_pieces_is_compiled_with_its_chunk_and_pieces_pinned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """v6e, Llama-3 8B's head at 4096 tokens: one forward chunk, the backward in pieces of at most 1536 rows
+    (``loop_plan`` names the longest); pinned as the child compile pins it, two chunks' tokens take the same
+    chunk and pieces."""
+    import jax.numpy as jnp
+
+    from ce_core import StatsSpec
+    from ce_pallas_tpu import kept_logits
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+    assert step.loop_plan("keep_logits", "v6e", 4096, 4096, 128256) == (4096, 1, 1536)
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 4096)
+    monkeypatch.setattr(kept_logits, "PIECE_TOKENS", 1536)
+    v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
+    pinned = kept_logits.plan_chunks(8192, 4096, 128256, jnp.bfloat16, jnp.bfloat16, StatsSpec(keep_logits=True), v6e)
+    assert (pinned.chunk, pinned.chunks, pinned.pieces) == (4096, 2, (1536, 1536, 1024))
 
 
 def test_a_path_that_does_not_exist_yet_is_skipped_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -270,13 +270,57 @@ def test_the_kept_backward_with_x_transposed_matches_it_untransposed(interpret, 
     assert max_rel_error(dw, expected["dw"]) <= grad_tol
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("layout,n,chunk,block_b,piece,pieces", [
+    ("hv", 330, None, 128, 128, (128, 128, 74)),  # one chunk: first, middle and last pieces, the last ragged; x.T
+    ("vh", 200, 96, 32, 64, (64, 32)),  # three chunks (the last overlapping): every chunk role, in pieces
+])
+def test_a_chunks_backward_in_pieces_matches_it_whole(interpret, monkeypatch, layout, n, chunk, block_b, piece,
+                                                      pieces):
+    """The backward of each chunk in pieces (``KeptPlan.pieces``: a call per piece over its rows of the chunk's
+    kept logits, the float32 running ``dw`` passed between them as between chunks) matches the float64 oracle,
+    and (one chunk) gives the loss and gradients of the same plan's backward over the whole chunk bit for bit
+    (the same products, ``dw`` summed over the token blocks in the same order): bf16, a soft cap, per-token
+    temperatures, prompt-like dead token blocks, ragged in V, two cores, race-checked."""
+    interpret("v5p")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", chunk)
+    h, v = 200, 3000
+    x, labels, w = _problem(31, n, h, v, layout, "bfloat16")
+    labels = np.where(np.arange(n) % 165 < 70, -100, labels)
+    t = np.random.default_rng(5).uniform(0.5, 2.0, n).astype(np.float32)
+    sizes = BlockSizes(block_b, None, 1024)
+    options = dict(w_layout=layout, block_sizes=sizes, logit_soft_cap=3.0, temperature=jnp.asarray(t))
+    results = {}
+    for longest in (None, piece) if chunk is None else (piece,):  # each pallas call interprets for ~2 s
+        monkeypatch.setattr(kept_logits, "PIECE_TOKENS", longest)
+        plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec(w_layout=layout, block_sizes=sizes))
+        assert plan.pieces == (() if longest is None else pieces) and plan.backward.block_b == block_b
+        assert plan.chunks == (1 if chunk is None else 3) and plan.backward.num_cores == 2
+        assert plan.backward.x_transposed == (layout == "hv")
+        jax.clear_caches()
+        loss, grads = _value_and_grads(x, labels, w, keep_logits=True, options=options, weights=None)
+        results[longest] = [np.asarray(a, np.float32) for a in (loss, *grads)]
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    if None in results:
+        for name, in_pieces, whole in zip(("loss", "dx", "dw"), results[piece], results[None], strict=True):
+            assert np.array_equal(in_pieces, whole), name
+    loss, dx, dw = results[piece]
+    expected = _oracle(x, labels, w, layout, options, None, t)
+    loss_tol, grad_tol = TOLERANCES["bfloat16"]
+    assert max_rel_error(loss, expected["loss"]) <= loss_tol
+    assert max_rel_error(dx, expected["dx"]) <= grad_tol
+    assert max_rel_error(dw, expected["dw"]) <= grad_tol
+
+
 def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gains():
     """Llama-3 70B's head (H=8192): whole, v5p's VMEM leaves 256-token chunks (below the ~350 whose float32
     dw traffic hides) and v6e's 256-column vocab blocks; of two and four hidden tiles the plan prefers the
     one that fits the longest chunk (four), and on v6e takes 16384 tokens in eight 2048-token chunks
     rather than the default's six 3072-token ones (18432 rows). An unstarved whole plan stays whole
     unless tiles are estimated more than 3% faster: Llama-3 8B on v5e and v5p stays whole; on v6e 4096
-    tokens go in one chunk in two tiles (whole: three 1536-token chunks), and 70B on v5e in 1024-token
+    tokens go in one chunk (whole: three 1536-token chunks, an eighth more rows), its backward whole in pieces
+    of 1536, 1536 and 1024 rows rather than in two tiles, and 70B on v5e in 1024-token
     chunks in two tiles (whole: 512, its float32 dw's traffic at the MXU's pace). v6e forms ``delta`` once
     per tile at a cost the estimate counts: 16384 tokens of Llama-3 8B stay whole (eleven 1536-token
     chunks, against eight in two tiles). Explicit tiles stay whole; a split needs H a whole number of
@@ -303,7 +347,11 @@ def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gain
     for target in (v5e, v5p, v6e):  # v6e: eleven whole 1536-token chunks; eight in two tiles cost more
         assert kept_logits.plan_chunks(16384, 4096, 128256, bf16, bf16, spec, target).backward.hidden_split == 1
     llama8b = kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v6e)
-    assert (llama8b.chunks, llama8b.backward.hidden_split) == (1, 2)
+    assert (llama8b.chunks, llama8b.pieces, llama8b.backward.hidden_split) == (1, (1536, 1536, 1024), 1)
+    with pytest.MonkeyPatch.context() as patch:  # without the pieces' budget: the one chunk in two tiles
+        patch.setattr(kept_logits, "keep_logits_budget", lambda target: llama8b.extra_bytes - 1)
+        tiled = kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v6e)
+        assert (tiled.chunks, tiled.pieces, tiled.backward.hidden_split) == (1, (), 2)
     whole = kept_logits._fit_split(4096, 4096, 128256, bf16, bf16, spec, v6e, budget[v6e], 1, False)
     assert whole is not None and whole[2] == 1536 and not kept_logits._starved(whole, 4096, bf16, v6e)
     v5e_70b = kept_logits.plan_chunks(16384, 8192, 128256, bf16, bf16, spec, v5e)
@@ -320,6 +368,51 @@ def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gain
     column = jnp.zeros((1024, 1))
     with pytest.raises(ValueError, match="hidden_split=2"):
         backward_call(x, w, column.astype(jnp.int32), column, column, column, None, None, None, wrong)
+
+
+def test_backward_pieces_are_whole_token_blocks_start_and_end_the_running_dw_once_and_stay_in_the_kept_rows():
+    """A chunk's backward pieces (``KeptPlan.pieces``): as few as the longest allows, all but the last the same
+    whole number of token blocks; across a call's pieces the float32 running ``dw`` is started by the first and
+    ended in ``w``'s dtype by the last, and held (counted in ``extra_bytes``) even in a call of one chunk; a
+    piece's rows past the kept logits' buffer, a piece reading ``delta`` back over them, or pieces shorter than a
+    token block are refused."""
+    from ce_pallas_tpu.backward import backward_call
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+    assert kept_logits._piece_rows(4096, 1536, 256) == (1536, 1536, 1024)
+    assert kept_logits._piece_rows(3000, 1536, 256) == (1536, 1464)
+    assert kept_logits._piece_rows(200, 80, 32) == (64, 64, 64, 8)
+    assert kept_logits._piece_rows(128, 48, 32) == (32, 32, 32, 32)
+    assert kept_logits._piece_rows(1024, 1536, 256) == (1024,)
+    v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
+    bf16 = jnp.bfloat16
+    plan = kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, StatsSpec(), v6e)
+    ends = {role: [(cfg.dw_from_running, cfg.dw_to_running, cfg.n) for cfg in plan.piece_configs(role)]
+            for role in ("only", "first", "middle", "last")}
+    assert ends["only"] == [(False, True, 1536), (True, True, 1536), (True, False, 1024)]
+    assert ends["first"] == [(False, True, 1536), (True, True, 1536), (True, True, 1024)]
+    assert ends["middle"] == [(True, True, 1536), (True, True, 1536), (True, True, 1024)]
+    assert ends["last"] == [(True, True, 1536), (True, True, 1536), (True, False, 1024)]
+    assert plan.logits_shape[0] == 4096 and plan.backward_calls == 3
+    b = plan.backward
+    assert plan.extra_bytes == 4 * (math.prod(plan.logits_shape) + math.prod(plan.running_dw_shape)
+                                    + b.padded_n * b.hp + math.prod(b.dw_acc_shape))
+    assert plan.extra_bytes <= kept_logits.keep_logits_budget(v6e)
+
+    small = kept_logits.plan_chunks(1024, 512, 300, jnp.float32, jnp.float32, StatsSpec(), v6e)
+    only = small.piece_configs("only")[0]
+    x, w, column = jnp.zeros((1024, 512)), jnp.zeros((512, 300)), jnp.zeros((1024, 1))
+    logits = jnp.zeros(small.logits_shape)
+    tiled = dataclasses.replace(only, hidden_split=2, block_h=256, delta_over_logits=True, logits_row_block=1)
+    for cfg, match in ((dataclasses.replace(only, logits_row_block=1), "run past the kept logits"),
+                       (tiled, "logits_row_block needs the kept-logits mode without delta_over_logits")):
+        with pytest.raises(ValueError, match=match):
+            backward_call(x, w, column.astype(jnp.int32), column, column, column, None, None, None, cfg,
+                          kept=(logits, None))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kept_logits, "PIECE_TOKENS", 8)
+        with pytest.raises(ValueError, match="PIECE_TOKENS=8"):
+            kept_logits.plan_chunks(1024, 200, 300, jnp.float32, jnp.float32, StatsSpec(), v6e)
 
 
 def test_the_kept_forward_grows_its_token_block_where_the_logits_writes_would_not_hide():
@@ -554,6 +647,29 @@ def test_the_default_compiles_and_holds_only_the_chunk_and_the_float32_dw(genera
     assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
     # Under the float32 logits a materialised step holds alone (4.2 GB; the float32 dw is 2.1 GB of these 3.0).
     assert default.temp_bytes < 4 * n * v
+
+
+@pytest.mark.slow
+def test_v6e_takes_4096_tokens_of_llama3_8b_in_one_chunk_its_backward_in_pieces_within_the_budget():
+    """Llama-3 8B's head at 4096 tokens compiled for v6e with the default ``keep_logits=None``: one forward
+    over the 4096 tokens, its backward over the kept logits in three pieces of whole hidden size (1536, 1536
+    and 1024 rows, each from its offset in the buffer), holding what the recompute step holds plus the chunk's
+    logits and the float32 running ``dw`` the pieces pass on, within the budget."""
+    from ce_pallas_tpu.target import current_target, targeting
+    from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
+
+    n, h, v = 4096, 4096, 128256
+    with targeting("v6e"):
+        plan = kept_logits.choose(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec())
+        budget = kept_logits.keep_logits_budget(current_target())
+    assert plan is not None and (plan.chunks, plan.pieces, plan.backward.hidden_split) == (1, (1536, 1536, 1024), 1)
+    assert plan.extra_bytes <= budget
+    recompute = compile_loss_and_grads("v6e", n, h, v, keep_logits=False)
+    default = compile_loss_and_grads("v6e", n, h, v)
+    assert recompute.temp_bytes is not None and default.temp_bytes is not None
+    extra = default.temp_bytes - recompute.temp_bytes
+    held = 4 * (math.prod(plan.logits_shape) + math.prod(plan.running_dw_shape))
+    assert held <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
 
 
 @pytest.mark.slow

@@ -103,6 +103,35 @@ def test_a_kept_backward_is_measured_as_the_chunk_of_its_call_it_is(monkeypatch)
     assert per_step["last"] - per_step["only"] == pytest.approx(dw_block * 4)
 
 
+def test_the_schedule_jobs_of_a_kept_call_are_its_kernel_calls_at_the_plans_tiles(monkeypatch):
+    """``kept_jobs``: v6e, Llama-3 8B's head at 4096 tokens (one forward chunk, the backward in three pieces)
+    measures the forward once and each piece's backward in its role, at the plan's tiles and rows (the plan
+    at 1024 rows alone would take 512-row blocks; at 4096 rows whole it shrinks its chunk); at 16384 tokens
+    (eleven 1536-token chunks) the backward's first, middle (nine runs) and last."""
+    from ce_core import StatsSpec
+    from ce_pallas_tpu import kept_logits
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+    from ce_pallas_tpu.tooling.schedule import kept_jobs
+    from ce_pallas_tpu.tooling.schedule.programs import kernel_config
+
+    v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
+    bf16, spec = jnp.bfloat16, StatsSpec(keep_logits=True)
+    plan = kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v6e)
+    jobs = kept_jobs(plan)
+    assert [(job.kernel, job.n, job.chunk_role, runs) for job, runs in jobs] == [
+        ("forward", 4096, "middle", 1), ("backward", 1536, "first", 1), ("backward", 1536, "middle", 1),
+        ("backward", 1024, "last", 1)]
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v6e")
+    for job, _ in jobs:
+        cfg = kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, tiles=job.tiles,
+                            hidden_split=job.hidden_split, chunk_role=job.chunk_role)
+        expected = plan.forward if job.kernel == "forward" else plan.backward
+        assert (cfg.n, cfg.block_b, cfg.block_v) == (job.n, expected.block_b, expected.block_v)
+    long = kept_logits.plan_chunks(16384, 4096, 128256, bf16, bf16, spec, v6e)
+    assert [(job.n, job.chunk_role, runs) for job, runs in kept_jobs(long) if job.kernel == "backward"] == [
+        (1536, "first", 1), (1536, "middle", 9), (1536, "last", 1)]
+
+
 def test_a_job_the_profiler_aborted_on_keeps_its_variant(monkeypatch):
     """libtpu's profiler kills the worker on some kernels: that job's row says so, still naming what was
     asked (the RL objective's rows once read "plain"), and the jobs after it run in a fresh worker."""

@@ -53,22 +53,21 @@ def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequ
     return records
 
 
-def run_kept_schedule(target: str, shapes: Sequence[Shape], loops: Sequence[tuple[int, int]], dtype: str,
-                      kernels: Sequence[str] = KERNELS, *, quiet: bool = False) -> list[dict[str, Any]]:
-    """The records of the kept-logits path's kernels (``keep_logits=True``), shape by shape: each kernel at one
-    chunk of ``loops[i] = (chunk, hidden tiles)`` (the plan's, ``step.loop_plan``), the backward once per role
-    its chunks take (``schedule.chunk_roles``: its float32 ``dw`` started, added onto or ended), each record's
-    ``repeats`` the chunks that run it (a step runs the kernels once a chunk) and ``shape`` its shape's label."""
+def run_kept_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequence[str] = KERNELS, *,
+                      quiet: bool = False) -> list[dict[str, Any]]:
+    """The records of the kept-logits path's kernels (``keep_logits=True``), shape by shape: each kernel call of
+    the plan the step takes at the shape's N (``step.kept_plan``; ``schedule.kept_jobs``: the forward once a
+    chunk, the backward once a piece of each chunk, in the role of its call: its float32 ``dw`` started, added
+    onto or ended), each record's ``repeats`` the calls that run it and ``shape`` its shape's label."""
     from ce_pallas_tpu.tooling import schedule
+    from ce_pallas_tpu.tooling.schedule import step
 
     jobs, labels, repeats = [], [], []
-    for shape, (chunk, split) in zip(shapes, loops, strict=True):
-        chunks = -(-shape.n // chunk)
-        for kernel in kernels:
-            roles = schedule.chunk_roles(chunks) if kernel == "backward" else {"middle": chunks}
-            for role, count in roles.items():
-                jobs.append(schedule.Job(kernel, chunk, shape.h, shape.v, x_dtype=dtype, w_dtype=dtype,
-                                         keep_logits=True, hidden_split=split, chunk_role=role))
+    for shape in shapes:
+        plan = step.kept_plan(target, shape.n, shape.h, shape.v, dtype)
+        for job, count in schedule.kept_jobs(plan, x_dtype=dtype, w_dtype=dtype):
+            if job.kernel in kernels:
+                jobs.append(job)
                 labels.append(shape.label)
                 repeats.append(count)
     records = [record.to_json() for record in schedule.measure(target, jobs, quiet=quiet)]

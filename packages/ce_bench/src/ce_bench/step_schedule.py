@@ -84,7 +84,7 @@ class _OpsCache:
     def __init__(self, measure: Callable[..., Any], quiet: bool) -> None:
         self.measure, self.quiet, self.cache = measure, quiet, {}
 
-    def get(self, generation: str, path: str, n: int, h: int, v: int, loop: tuple[int, int] | None = None) -> Any:
+    def get(self, generation: str, path: str, n: int, h: int, v: int, loop: tuple[int, int, int] | None = None) -> Any:
         import sys
         import time
 
@@ -182,7 +182,7 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
                 record = step_record(target, shape, path, points, kernels_found, clock_hz)
                 record["loop_chunk"] = chunk
                 if loop:
-                    record["loop_hidden_tiles"] = loop[1]
+                    record["loop_hidden_tiles"], record["loop_longest_piece"] = loop[1], loop[2] or None
                 if path == "materialised":
                     record["loss_library"] = step.materialised_library()
                 records.append(record)
@@ -199,12 +199,12 @@ def _kernel_schedule(target: str, dtype: str, quiet: bool) -> Callable[..., list
     from ce_bench.schedule import run_kept_schedule, run_schedule
 
     def schedule(shapes: list[Shape], kernels: tuple[str, ...],
-                 loops: list[tuple[int, int] | None]) -> list[list[dict[str, Any]]]:
+                 loops: list[tuple[int, int, int] | None]) -> list[list[dict[str, Any]]]:
         if all(loop is None for loop in loops):
             found = run_schedule(target, shapes, dtype, kernels, quiet=quiet)
             return [found[index * len(kernels):(index + 1) * len(kernels)] for index in range(len(shapes))]
-        found = run_kept_schedule(target, shapes, [loop for loop in loops if loop is not None], dtype, kernels,
-                                  quiet=quiet)
+        looped = [shape for shape, loop in zip(shapes, loops, strict=True) if loop is not None]
+        found = run_kept_schedule(target, looped, dtype, kernels, quiet=quiet)
         return [[record for record in found if record["shape"] == shape.label] for shape in shapes]
 
     return schedule

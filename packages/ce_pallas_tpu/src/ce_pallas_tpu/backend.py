@@ -71,7 +71,10 @@ class PallasTpuBackend(Backend):
         report = ops.make_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype,
                                problem.spec).report()
         kept = self.kept_plan(problem.n, problem.h, problem.v, problem.x_dtype, problem.w_dtype, problem.spec)
-        said = "recompute" if kept is None else f"{kept.chunk}-token chunks, {kept.extra_bytes} bytes extra"
+        said = "recompute"
+        if kept is not None:
+            pieces = f" (backward in pieces of {', '.join(map(str, kept.pieces))} rows)" if kept.pieces else ""
+            said = f"{kept.chunk}-token chunks{pieces}, {kept.extra_bytes} bytes extra"
         return dataclasses.replace(report, details={**report.details, "keep_logits": said})
 
     def kept_plan(self, n: int, h: int, v: int, x_dtype: Any, w_dtype: Any,

@@ -106,6 +106,9 @@ class BackwardConfig(common.KernelConfig):
     #: instead of a vector pass over the slot at each vocab block's first step. The plan sets it where the
     #: schedule measured a gain (:attr:`ce_pallas_tpu.target.ChipFacts.kept_dw_zeros_by_dma`).
     dw_zeros_by_dma: bool = False
+    #: Kept-logits mode: the token block of the kept logits' buffer this call's first row is (a piece of a
+    #: longer chunk, :attr:`ce_pallas_tpu.kept_logits.KeptPlan.pieces`); the call reads its rows from there.
+    logits_row_block: int = 0
 
     @property
     def dw_slots_read(self) -> bool:
@@ -779,6 +782,8 @@ def backward_call(
         raise ValueError("backward_call: delta_over_logits needs the kept-logits mode in hidden tiles")
     if cfg.x_transposed and not (cfg.kept_logits and cfg.w_layout == "hv"):
         raise ValueError("backward_call: x_transposed needs the kept-logits mode and an [H, V] head")
+    if cfg.logits_row_block and not (cfg.kept_logits and not cfg.delta_over_logits):
+        raise ValueError("backward_call: logits_row_block needs the kept-logits mode without delta_over_logits")
     if cfg.kept_logits:
         if kept is None:
             raise ValueError("backward_call: cfg.kept_logits needs kept=(logits, running_dw)")
@@ -788,9 +793,12 @@ def backward_call(
             raise ValueError("backward_call: running_dw must be given exactly when cfg.dw_from_running")
         if running is not None and (running.shape != padded or running.dtype != jnp.float32):
             raise ValueError(f"backward_call: running_dw must be float32 {padded}, got {running.dtype} {running.shape}")
-        nvc = cfg.nv_per_core
+        nvc, first_block = cfg.nv_per_core, cfg.logits_row_block
+        if (first_block + cfg.nb) * cfg.block_b > logits.shape[0]:
+            raise ValueError(f"backward_call: {cfg.nb} token blocks of {cfg.block_b} rows from block {first_block} "
+                             f"run past the kept logits' {logits.shape[0]} rows")
         in_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v),
-                                     lambda c, j, i: (i, c * nvc + _hidden_and_vocab_step(j, cfg)[1])))
+                                     lambda c, j, i: (first_block + i, c * nvc + _hidden_and_vocab_step(j, cfg)[1])))
         operands.append(logits)
         logits_index = len(operands) - 1
         if running is not None:

@@ -15,13 +15,15 @@ For a loss reduced to a scalar, every token's cotangents are known as soon as it
    running sum, whose blocks DMAs bring into two VMEM slots and write back in place. A wide head's backward
    takes the hidden size in tiles, each a walk over the vocabulary; on v5p and v6e the first writes
    ``delta`` over the kept logits and the others read it back (``BackwardConfig.delta_over_logits``). An
-   ``[H, V]`` head's chunk ``x`` is held transposed on v5p and v6e (``BackwardConfig.x_transposed``). The first
-   chunk starts that sum (its slots start at zero: on v6e read from a zero block by the same DMAs,
+   ``[H, V]`` head's chunk ``x`` is held transposed on v5p and v6e (``BackwardConfig.x_transposed``). Where the
+   whole hidden size fits VMEM only for fewer rows than the forward's chunk, the backward may instead run over
+   pieces of the chunk, a call per piece reading its rows of the kept logits (``KeptPlan.pieces``). The first
+   backward call starts that sum (its slots start at zero: on v6e read from a zero block by the same DMAs,
    ``BackwardConfig.dw_zeros_by_dma``) and the last one writes the finished ``dw`` in ``w``'s dtype and shape,
-   as the recompute kernel does; one chunk does both, with no running sum.
+   as the recompute kernel does; one call does both, with no running sum.
 
 So the MXU runs ``x @ w`` once per token (forward) and the two gradient products (backward), and the
-extra memory is one chunk's logits and, over several chunks, the float32 ``dw`` (padded to whole vocab
+extra memory is one chunk's logits and, over several backward calls, the float32 ``dw`` (padded to whole vocab
 blocks). ``N`` is split into chunks of equal size, a whole number of both kernels' token blocks where
 ``N`` allows; the last chunk ends at ``N`` and may overlap the one before, its overlapped rows given
 zero cotangents (they add nothing) and their statistics rewritten with the same values.
@@ -65,6 +67,9 @@ from ce_pallas_tpu.target import Target, current_target
 CHUNK_TOKENS: int | None = None
 #: The hidden tiles of the kept backward (``None``: :func:`plan_chunks` decides; tests force a split).
 HIDDEN_SPLIT: int | None = None
+#: The most rows of a backward piece (``None``: :func:`plan_chunks` decides, :attr:`KeptPlan.pieces`; tests
+#: set a small number to run the backward of each chunk in pieces).
+PIECE_TOKENS: int | None = None
 #: Bounds of the rule's chunk: fewer rows make each step's matmuls short; more hold more logits.
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 1024, 4096
 #: The fewest tokens per chunk the default shrinks a chunk to, to fit its budget (the roofline then says
@@ -116,33 +121,52 @@ class KeptPlan:
     v: int
     chunk: int
     forward: ForwardConfig
-    backward: BackwardConfig
+    backward: BackwardConfig  # the backward of a chunk, or of its longest piece (``pieces``)
     logits_shape: tuple[int, int]  # the kept logits buffer of one chunk (both kernels' blocks)
     running_dw_shape: tuple[int, int]  # float32 dw in w's layout, padded to whole backward vocab blocks and Hp
+    #: The backward's pieces of a chunk, in rows (summing to ``chunk``; ``()``: one piece, the chunk). Each is
+    #: a backward call over its rows of the chunk's kept logits, the float32 running ``dw`` passing between
+    #: them as between chunks: the forward takes a chunk too long for the backward's resident ``x`` and
+    #: ``dx`` to fit VMEM with the whole hidden size, and the backward needs no hidden tiles
+    #: (:func:`_pieces_plan`). All but the last are whole token blocks, so each starts on a block of the
+    #: buffer.
+    pieces: tuple[int, ...] = ()
 
     @property
     def chunks(self) -> int:
         return cdiv(self.n, self.chunk)
 
     @property
-    def backward_configs(self) -> tuple[BackwardConfig, BackwardConfig, BackwardConfig]:
-        """The backward of the first chunk (starting the float32 running ``dw``), of the chunks between
-        (adding onto it in place) and of the last (ending in ``w``'s dtype); one chunk is first and last."""
-        b = self.backward
-        if self.chunks == 1:
-            only = dataclasses.replace(b, dw_from_running=False, dw_to_running=False)
-            return only, only, only
-        return (dataclasses.replace(b, dw_from_running=False), b, dataclasses.replace(b, dw_to_running=False))
+    def piece_rows(self) -> tuple[int, ...]:
+        """The rows of each backward call of a chunk (:attr:`pieces`, or the chunk whole)."""
+        return self.pieces or (self.chunk,)
+
+    @property
+    def backward_calls(self) -> int:
+        """The backward calls of the whole call: one per piece of each chunk."""
+        return self.chunks * len(self.piece_rows)
+
+    def piece_configs(self, chunk_role: str) -> tuple[BackwardConfig, ...]:
+        """The backward of each piece of a chunk in ``chunk_role`` (``only``, ``first``, ``middle``,
+        ``last``: where the chunk sits in the call): the call's first backward starts the float32 running
+        ``dw`` (no running sum read), the ones between add onto it in place, the last ends it in ``w``'s dtype
+        and shape; a call of one backward does both."""
+        rows = self.piece_rows
+        starts = chunk_role in ("only", "first")
+        ends = chunk_role in ("only", "last")
+        return tuple(dataclasses.replace(self.backward, n=size, dw_from_running=not (starts and j == 0),
+                                         dw_to_running=not (ends and j == len(rows) - 1))
+                     for j, size in enumerate(rows))
 
     @property
     def extra_bytes(self) -> int:
         """HBM this path holds beyond the recompute path's: one chunk's kept logits (every chunk's forward
-        writes into the same buffer, :func:`row_stats_and_grads`), (over several chunks) the float32
+        writes into the same buffer, :func:`row_stats_and_grads`), (over several backward calls) the float32
         running dw, and where the backward takes them the chunk's ``x`` transposed and padded (counted as
-        float32: a bf16 ``x`` holds half) and the float32 zero block its first chunk's ``dw`` slots are read
+        float32: a bf16 ``x`` holds half) and the float32 zero block its first call's ``dw`` slots are read
         from."""
         b = self.backward
-        running = math.prod(self.running_dw_shape) if self.chunks > 1 else 0
+        running = math.prod(self.running_dw_shape) if self.backward_calls > 1 else 0
         x_transposed = b.padded_n * b.hp if b.x_transposed else 0
         zeros = math.prod(b.dw_acc_shape) if b.dw_zeros_by_dma else 0
         return 4 * (math.prod(self.logits_shape) + running + x_transposed + zeros)
@@ -162,9 +186,11 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     Of those fits and (where the chunk is the default's) of up to twice their fewest chunks over ``n``, holding at
     most :data:`PLAN_MEMORY_GROWTH` times the preferred plan's extra HBM, the plan is the first, in that order of
     preference, whose :func:`estimated_seconds` is within :data:`PLAN_TOLERANCE` of the fastest's: 4096 tokens of
-    Llama-3 8B's head on v6e go in one chunk in two hidden tiles rather than three whole 1536-token chunks (a eighth
-    more rows than tokens, each chunk's float32 ``dw`` traffic barely hidden), 16384 of Llama-3 70B's in eight
-    2048-token chunks rather than six of 3072. Raises ``UnsupportedError`` where no chunk of
+    Llama-3 8B's head on v6e would go in one chunk in two hidden tiles rather than three whole 1536-token chunks (an
+    eighth more rows than tokens, each chunk's float32 ``dw`` traffic barely hidden), 16384 of Llama-3 70B's in
+    eight 2048-token chunks rather than six of 3072. A plan in hidden tiles then gives way to the backward in
+    pieces of its chunk (:func:`_pieces_plan`: v6e's 4096 tokens of Llama-3 8B's head in pieces of 1536, 1536 and
+    1024 rows). Raises ``UnsupportedError`` where no chunk of
     :data:`MIN_FITTED_CHUNK` tokens or more fits (:func:`choose` then recomputes).
     """
     target = current_target() if target is None else target
@@ -181,6 +207,9 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
             f"head with h={h}, v={v} fits {target.generation}'s VMEM budget of {budget} bytes"
             + (" with the block_sizes given" if explicit else "")
             + "; keep_logits=None or False recomputes the logits instead")
+    if PIECE_TOKENS is not None:
+        forced = _pieces_plan(n, h, v, spec, fits, PIECE_TOKENS)
+        return _plan(n, h, v, spec, *_chunked(n, *fits[0])) if forced is None else forced
     for forward, backward, chunk in fits:
         plans.append(_plan(n, h, v, spec, *_chunked(n, forward, backward, chunk)))
         fewest = cdiv(n, chunk)
@@ -192,7 +221,35 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     preferred = plans[0]  # the search trades speed, not memory: no alternative holds much more than it
     plans = [plan for plan in dict.fromkeys(plans) if plan.extra_bytes <= PLAN_MEMORY_GROWTH * preferred.extra_bytes]
     seconds = {plan: estimated_seconds(plan, w_dtype, target)[0] for plan in plans}
-    return next(plan for plan in plans if seconds[plan] <= (1 + PLAN_TOLERANCE) * min(seconds.values()))
+    chosen = next(plan for plan in plans if seconds[plan] <= (1 + PLAN_TOLERANCE) * min(seconds.values()))
+    pieces = _pieces_plan(n, h, v, spec, fits) if searching and chosen.backward.hidden_split > 1 else None
+    if (pieces is not None and pieces.extra_bytes <= keep_logits_budget(target)
+            and estimated_seconds(pieces, w_dtype, target)[0] <= (1 + PLAN_TOLERANCE) * seconds[chosen]):
+        return pieces
+    return chosen
+
+
+def _pieces_plan(n: int, h: int, v: int, spec: StatsSpec, fits: list[tuple[ForwardConfig, BackwardConfig, int]],
+                 longest: int | None = None) -> KeptPlan | None:
+    """Of the fits, the longest chunk's forward with the backward of the fit that takes the hidden size whole
+    (:func:`_fits`; else the preferred one) over pieces of each chunk (:attr:`KeptPlan.pieces`) of at most that
+    fit's chunk (and ``longest``, :data:`PIECE_TOKENS`) rows; ``None`` where one piece would take the chunk.
+    :func:`plan_chunks` takes it instead of a plan whose backward takes the hidden size in tiles where the
+    roofline (:func:`estimated_seconds`) has it no slower beyond :data:`PLAN_TOLERANCE` and its extra HBM (the
+    pieces add the float32 running ``dw`` to a call of one chunk) fits :func:`keep_logits_budget`: v6e, Llama-3
+    8B's head, 4096 tokens in one chunk, the backward in two hidden tiles runs 1.171 of its MXU minimum in
+    libtpu's schedule (10.98 ms), in pieces of 1536, 1536 and 1024 rows whole 10.43 ms (1.11), a gain the
+    roofline puts within its tolerance."""
+    forward, _, chunk = _chunked(n, *max(fits, key=lambda fit: fit[2]))
+    _, backward, fitted = next((fit for fit in fits if fit[1].hidden_split == 1), fits[0])
+    limit = fitted if longest is None else min(longest, fitted)
+    if limit >= chunk:
+        return None
+    if limit < backward.block_b:
+        raise ValueError(f"PIECE_TOKENS={longest} is shorter than the backward's token block of {backward.block_b}")
+    pieces = _piece_rows(chunk, limit, backward.block_b)
+    backward = dataclasses.replace(backward, n=pieces[0], delta_over_logits=False)
+    return _plan(n, h, v, spec, forward, backward, chunk, pieces)
 
 
 #: How much slower (by :func:`estimated_seconds`) a preferred plan may be and still be taken over a faster
@@ -219,21 +276,36 @@ def _chunked(n: int, forward: ForwardConfig, backward: BackwardConfig,
 
 
 def _plan(n: int, h: int, v: int, spec: StatsSpec, forward: ForwardConfig, backward: BackwardConfig,
-          chunk: int) -> KeptPlan:
-    """The plan of ``n`` tokens in chunks of ``chunk`` with these kernels' configs, and its buffers' shapes."""
+          chunk: int, pieces: tuple[int, ...] = ()) -> KeptPlan:
+    """The plan of ``n`` tokens in chunks of ``chunk`` with these kernels' configs (the backward's over
+    ``pieces`` of each chunk, if given), and its buffers' shapes."""
     # The kept logits are an array of their own, whose token blocks must be whole sublane tiles (a block
     # equal to the array's rows would do, but both kernels' blocks cannot always be): rows past N are masked.
     if forward.block_b % 16:
         forward = dataclasses.replace(forward, block_b=round_up(forward.block_b, 16))
     if backward.block_b % 16:
         backward = dataclasses.replace(backward, block_b=round_up(backward.block_b, 16))
-    rows = round_up(max(forward.padded_n, backward.padded_n), math.lcm(forward.block_b, backward.block_b))
+    backward_rows = backward.padded_n
+    if pieces:  # the last piece's blocks start after the others' rows (whole blocks)
+        last = dataclasses.replace(backward, n=pieces[-1])
+        backward_rows = sum(pieces[:-1]) + last.padded_n
+    rows = round_up(max(forward.padded_n, backward_rows), math.lcm(forward.block_b, backward.block_b))
     columns = max(forward.num_cores * forward.nv_per_core * forward.block_v,
                   backward.num_cores * backward.nv_per_core * backward.block_v)
     columns = round_up(columns, math.lcm(forward.block_v, backward.block_v))
     dw_entries = backward.nv * backward.block_v
     running = (dw_entries, backward.hp) if spec.w_layout == "vh" else (backward.hp, dw_entries)
-    return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running)
+    return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running, pieces)
+
+
+def _piece_rows(chunk: int, longest: int, block_b: int) -> tuple[int, ...]:
+    """``chunk`` rows in as few backward pieces of at most ``longest`` rows as will do, all but the last the
+    same whole number of ``block_b`` rows (each piece then starts on a token block of the kept logits), the
+    last the rest: 4096 rows of at most 1536 in 256-row blocks go as (1536, 1536, 1024)."""
+    longest = max(block_b, longest // block_b * block_b)
+    size = min(longest, round_up(cdiv(chunk, cdiv(chunk, longest)), block_b))
+    count = cdiv(chunk, size)
+    return (size,) * (count - 1) + (chunk - (count - 1) * size,)
 
 
 def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[float, float]:
@@ -242,8 +314,9 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
 
     Recompute: the forward (``2NHV`` flops; ``w`` read) and the backward (``6NHV``; ``w`` read, ``dw``
     written). Kept, per chunk of ``C`` tokens: the forward (``2CHV``; ``w`` read, ``4CV`` bytes of logits
-    written) and the backward (``4CHV``; ``w`` and the logits read, the float32 running ``dw`` read and
-    written: the first chunk only writes it, the last reads it and writes ``dw`` in ``w``'s dtype). Each
+    written) and the backward over each of its pieces (:attr:`KeptPlan.pieces`; ``4PHV`` for ``P`` rows; ``w``
+    and the piece's logits read, the float32 running ``dw`` read and written: the call's first backward only
+    writes it, the last reads it and writes ``dw`` in ``w``'s dtype). Each
     backward also forms ``delta`` from every logit, once per hidden tile, at the cost of
     ``ChipFacts.delta_columns`` MXU columns (v6e: what makes two tiles of Llama-3 8B's head 1.18 of their
     MXU minimum against 1.06 whole; formed once and read back by later tiles, ``delta_over_logits``, they
@@ -263,13 +336,21 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
 
     tiles = plan.backward.hidden_split  # the backward reads the logits and forms delta once per tile
 
-    def chunk(dw_bytes: float) -> float:
-        return (max(2 * c * h * v / flops, (head + logits) / bandwidth)
-                + max(4 * c * h * v / flops + tiles * c * delta, (head + tiles * logits + dw_bytes) / bandwidth))
+    def forward_chunk() -> float:
+        return max(2 * c * h * v / flops, (head + logits) / bandwidth)
 
-    if plan.chunks == 1:
-        return chunk(head), recompute
-    kept = chunk(running) + (plan.chunks - 2) * chunk(2 * running) + chunk(running + head)
+    def backward_piece(rows: int, dw_bytes: float) -> float:
+        kept_rows = 4 * rows * plan.logits_shape[1]
+        return max(4 * rows * h * v / flops + tiles * rows * delta, (head + tiles * kept_rows + dw_bytes) / bandwidth)
+
+    # Each backward call's float32 running dw: written by the call's first, read and written by the ones between,
+    # read by the last (which writes dw in w's dtype); one call writes dw in w's dtype only.
+    calls = [rows for _ in range(plan.chunks) for rows in plan.piece_rows]
+    kept = plan.chunks * forward_chunk()
+    if len(calls) == 1:
+        return kept + backward_piece(calls[0], head), recompute
+    kept += backward_piece(calls[0], running) + backward_piece(calls[-1], running + head)
+    kept += sum(backward_piece(rows, 2 * running) for rows in calls[1:-1])
     return kept, recompute
 
 
@@ -565,7 +646,7 @@ def row_stats_and_grads(
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
     live = None if live is None else live.reshape(-1).astype(bool)
 
-    def chunk(index, carry, cfg: BackwardConfig):
+    def chunk(index, carry, configs: tuple[BackwardConfig, ...]):
         stats, dx, dw, kept = carry
         first_new = index * rows
         start = jnp.minimum(first_new, n - rows) if n % rows else first_new
@@ -582,11 +663,20 @@ def row_stats_and_grads(
         if n % rows:  # rows an earlier chunk owned add nothing now
             owned = jnp.arange(rows, dtype=jnp.int32) + start >= first_new
             cotangent = jax.tree.map(lambda g: jnp.where(owned, g, 0.0), cotangent)
-        dx_partials, dw, logits = _backward(x_c, w, y_c, s_c, stats_c, cotangent, logits, dw, cfg, live_c)
+        dx_pieces, offset = [], 0
+        for cfg in configs:  # the backward over each piece's rows of the chunk's kept logits (one, unless pieces)
+            assert offset % cfg.block_b == 0, (offset, cfg.block_b)
+            cfg = dataclasses.replace(cfg, logits_row_block=offset // cfg.block_b)
+            part = functools.partial(jax.lax.slice_in_dim, start_index=offset, limit_index=offset + cfg.n)
+            x_p, y_p, s_p, live_p = (None if a is None else part(a) for a in (x_c, y_c, s_c, live_c))
+            stats_p, cotangent_p = jax.tree.map(part, stats_c), jax.tree.map(part, cotangent)
+            dx_partials, dw, logits = _backward(x_p, w, y_p, s_p, stats_p, cotangent_p, logits, dw, cfg, live_p)
+            dx_pieces.append(merged_dx(dx_partials, cfg.n, h, live_p))
+            offset += cfg.n
         # The next chunk's forward writes into this buffer: only once this backward has read it (without
         # the barrier XLA may run that forward first, on a copy: a second logits buffer).
         logits, dw = jax.lax.optimization_barrier((logits, dw))
-        dx_c = merged_dx(dx_partials, rows, h, live_c)
+        dx_c = dx_pieces[0] if len(dx_pieces) == 1 else jnp.concatenate(dx_pieces)
         # Each row's dx comes from one chunk (an overlapped row's second is 0), so x's dtype holds it exactly.
         dx_c = (piece(dx).astype(jnp.float32) + dx_c).astype(dx.dtype)
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, 0)
@@ -596,15 +686,17 @@ def row_stats_and_grads(
 
     # The first chunk starts the float32 running dw (no zeroed buffer read); the chunks between add onto
     # it in place; the last one writes the finished dw in w's dtype (no slice and cast after the loop).
-    first, middle, last = plan.backward_configs
     # The first chunk's forward makes the logits buffer; every later one writes into it (one buffer).
     carry = vary_like((_empty_stats(n, spec), jnp.zeros((n, h), x.dtype), None, None), x, w, labels,
                       token_params, row_scale)
-    carry = chunk(0, carry, first)
-    if plan.chunks > 2:
-        carry = jax.lax.fori_loop(1, plan.chunks - 1, functools.partial(chunk, cfg=middle), carry)
-    if plan.chunks > 1:
-        carry = chunk(plan.chunks - 1, carry, last)
+    if plan.chunks == 1:
+        carry = chunk(0, carry, plan.piece_configs("only"))
+    else:
+        carry = chunk(0, carry, plan.piece_configs("first"))
+        if plan.chunks > 2:
+            middle = plan.piece_configs("middle")
+            carry = jax.lax.fori_loop(1, plan.chunks - 1, functools.partial(chunk, configs=middle), carry)
+        carry = chunk(plan.chunks - 1, carry, plan.piece_configs("last"))
     stats, dx, dw, _ = carry
     return stats, dx, dw
 

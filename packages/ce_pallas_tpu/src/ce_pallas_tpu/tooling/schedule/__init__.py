@@ -22,10 +22,11 @@ from pathlib import Path
 
 from ce_pallas_tpu.tooling.schedule.chips import PROFILED_GENERATIONS, SCHEDULE_CHIPS, mxu_cycles
 from ce_pallas_tpu.tooling.schedule.dumps import libtpu_flags
+from ce_pallas_tpu.tooling.schedule.kept_calls import kept_jobs
 from ce_pallas_tpu.tooling.schedule.records import CHUNK_ROLES, KERNELS, Job, KernelSchedule, chunk_roles
 
 __all__ = ["CHUNK_ROLES", "KERNELS", "PROFILED_GENERATIONS", "SCHEDULE_CHIPS", "Job", "KernelSchedule", "chunk_roles",
-           "measure", "mxu_cycles"]
+           "kept_jobs", "measure", "mxu_cycles"]
 
 
 #: The prefix of an absl FATAL log line (``F1122 05:48:18.599031   21555 llo_dumper.cc:1778] ``).

@@ -39,7 +39,9 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
 
         kept = kept_logits.plan_chunks(n, hidden, v, jnp.dtype(x_dtype), jnp.dtype(w_dtype), spec, chunk_tokens=n,
                                        hidden_split=hidden_split)
-        cfg = kept.forward if kernel == "forward" else kept.backward
+        # The kernel at n rows even where the plan shrinks its chunk to fit VMEM (a piece's or a long chunk's forward
+        # whose own plan is shorter: the job pins the tiles, kept_calls.kept_jobs).
+        cfg = dataclasses.replace(kept.forward if kernel == "forward" else kept.backward, n=n)
         if kernel == "backward":
             reads, writes = running_dw(chunk_role)
             cfg = dataclasses.replace(cfg, dw_from_running=reads, dw_to_running=writes)

@@ -426,12 +426,11 @@ def _accepts_option(fn: Callable[..., Any], name: str, inspect: Any) -> bool:
 
 
 def loop_plan(path: str, generation: str, n: int, h: int, v: int,
-              w_dtype: str = "bfloat16") -> tuple[int, int] | None:
-    """``(tokens per chunk, hidden tiles)`` of ``path``'s step at ``n`` tokens on ``generation`` (None: the
-    path has no token loop).
+              w_dtype: str = "bfloat16") -> tuple[int, int, int] | None:
+    """``(tokens per chunk, hidden tiles, rows of its longest backward piece or 0)`` of ``path``'s step at ``n``
+    tokens on ``generation`` (None: the path has no token loop).
 
-    The ``keep_logits`` path loops over the chunks its plan for the whole ``n`` takes
-    (:func:`ce_pallas_tpu.kept_logits.plan_chunks`, which weighs chunk counts and hidden tiles per ``n``). Its
+    The ``keep_logits`` path loops over the chunks its plan for the whole ``n`` takes (:func:`kept_plan`). Its
     ops are compiled at whole multiples of that chunk with the plan pinned to it (:func:`measure_step_ops`'s
     ``loop``), so that the profiled loop body (walked once, run ``trip count`` times) is the one the full-size
     step runs and the fit in ``N`` is exact at multiples of the chunk: left to itself, the plan at a few chunks'
@@ -439,6 +438,14 @@ def loop_plan(path: str, generation: str, n: int, h: int, v: int,
     4096 at 4096)."""
     if path != "keep_logits":
         return None
+    plan = kept_plan(generation, n, h, v, w_dtype)
+    return plan.chunk, plan.backward.hidden_split, plan.pieces[0] if plan.pieces else 0
+
+
+def kept_plan(generation: str, n: int, h: int, v: int, w_dtype: str = "bfloat16") -> Any:
+    """The ``keep_logits`` path's plan (:func:`ce_pallas_tpu.kept_logits.plan_chunks`, which weighs chunk counts,
+    hidden tiles and backward pieces per ``n``) for the plain mean loss over an ``[H, V]`` head, as
+    :func:`step_program` builds it."""
     import jax.numpy as jnp
 
     from ce_core import StatsSpec
@@ -446,9 +453,8 @@ def loop_plan(path: str, generation: str, n: int, h: int, v: int,
     from ce_pallas_tpu.target import CHIP_FACTS, Target
 
     target = Target(generation, CHIP_FACTS[generation].num_cores, None)
-    spec = StatsSpec(keep_logits=True)  # the plain mean loss over an [H, V] head, as step_program builds it
-    plan = kept_logits.plan_chunks(n, h, v, jnp.dtype(w_dtype), jnp.dtype(w_dtype), spec, target)
-    return plan.chunk, plan.backward.hidden_split
+    return kept_logits.plan_chunks(n, h, v, jnp.dtype(w_dtype), jnp.dtype(w_dtype), StatsSpec(keep_logits=True),
+                                   target)
 
 
 def materialised_library() -> str:
@@ -493,9 +499,9 @@ _IN_HLO = re.compile(r"in HLO \[([^\]]+)\]")
 
 def _compile_child(generation: str, path: str, n: int, h: int, v: int, dtype: str, root: Path,
                    profile_dir: Path | None,
-                   loop: tuple[int, int] | None = None) -> tuple[int, str | None, set[str], list[str]]:
+                   loop: tuple[int, int, int] | None = None) -> tuple[int, str | None, set[str], list[str]]:
     """Compile one step in a child process: ``(returncode, abort message, ops named by the abort, stderr tail)``."""
-    pinned = [str(part) for part in loop] if loop else ["-", "-"]
+    pinned = [str(part) for part in loop] if loop else ["-", "-", "-"]
     command = [sys.executable, "-m", "ce_pallas_tpu.tooling.schedule.step", generation, path, str(n), str(h),
                str(v), dtype, str(root / "step.hlo.txt"), *pinned]
     abort, failed_ops, tail = None, set(), []
@@ -520,9 +526,9 @@ MAX_PROFILE_ATTEMPTS = 4
 
 
 def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: str = "bfloat16",
-                     attempts: int = MAX_PROFILE_ATTEMPTS, loop: tuple[int, int] | None = None) -> StepOps:
+                     attempts: int = MAX_PROFILE_ATTEMPTS, loop: tuple[int, int, int] | None = None) -> StepOps:
     """Compile the step of ``path`` at ``n`` tokens for ``generation`` with the profile flags and sum
-    its ops (:func:`sum_step`); ``loop`` pins the ``keep_logits`` path's ``(chunk, hidden tiles)``
+    its ops (:func:`sum_step`); ``loop`` pins the ``keep_logits`` path's ``(chunk, hidden tiles, longest piece)``
     (:func:`loop_plan`). Where the profiler aborts, the HLO comes from a compile without the
     profile flags, the profiles of repeated attempts are pooled, and the ops still without one (those
     the profiler aborts on) are estimated from their HBM bytes."""
@@ -567,14 +573,15 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
 
 def _main(argv: list[str]) -> int:
     """Child process: compile one step for a deviceless TPU and write its HLO text."""
-    generation, path, n, h, v, dtype, out, chunk, split = argv
+    generation, path, n, h, v, dtype, out, chunk, split, piece = argv
     import jax
 
     from ce_pallas_tpu import kept_logits
     from ce_pallas_tpu.tooling import aot
 
-    if chunk != "-":  # the loop of the full-size step's plan (loop_plan)
-        kept_logits.CHUNK_TOKENS, kept_logits.HIDDEN_SPLIT = int(chunk), int(split)
+    if chunk != "-":  # the loop of the full-size step's plan (loop_plan); its pieces' backward takes H whole
+        kept_logits.CHUNK_TOKENS, kept_logits.PIECE_TOKENS = int(chunk), int(piece) or None
+        kept_logits.HIDDEN_SPLIT = None if int(piece) else int(split)
 
     with aot.compiling_for(generation) as device:
         fn, operands = step_program(path, int(n), int(h), int(v), jax.sharding.SingleDeviceSharding(device), dtype)

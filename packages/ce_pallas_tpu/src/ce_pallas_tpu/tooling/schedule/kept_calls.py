@@ -1,0 +1,30 @@
+"""The kernel calls of one kept-logits call (``keep_logits=True``), as schedule jobs with their run counts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ce_pallas_tpu.tooling.schedule.records import Job
+
+
+def kept_jobs(plan: Any, *, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
+              w_layout: str = "hv") -> list[tuple[Job, int]]:
+    """``(job, runs)`` for each kernel a call of ``plan`` (a :class:`ce_pallas_tpu.kept_logits.KeptPlan`) runs:
+    the forward once per chunk; the backward once per piece of each chunk (:attr:`KeptPlan.pieces`), each in the
+    role of its call among all of them (the float32 running ``dw`` started by the first, added onto by the ones
+    between, ended by the last; one call alone is ``only``). The jobs pin the plan's tiles (a piece's own plan
+    may tile it otherwise) and its hidden tiles."""
+    forward, backward = plan.forward, plan.backward
+    forward_job = Job("forward", plan.chunk, plan.h, plan.v, x_dtype=x_dtype, w_dtype=w_dtype, w_layout=w_layout,
+                      tiles=(forward.block_b, None, forward.block_v), keep_logits=True,
+                      hidden_split=backward.hidden_split)
+    runs: dict[Job, int] = {forward_job: plan.chunks}
+    calls = [rows for _ in range(plan.chunks) for rows in plan.piece_rows]
+    for index, rows in enumerate(calls):
+        role = ("only" if len(calls) == 1 else "first" if index == 0 else "last" if index == len(calls) - 1
+                else "middle")
+        job = dataclasses.replace(forward_job, kernel="backward", n=rows, chunk_role=role,
+                                  tiles=(backward.block_b, None, backward.block_v))
+        runs[job] = runs.get(job, 0) + 1
+    return list(runs.items())
