@@ -207,8 +207,9 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
             f"head with h={h}, v={v} fits {target.generation}'s VMEM budget of {budget} bytes"
             + (" with the block_sizes given" if explicit else "")
             + "; keep_logits=None or False recomputes the logits instead")
-    if PIECE_TOKENS is not None:
-        forced = _pieces_plan(n, h, v, spec, fits, PIECE_TOKENS)
+    if PIECE_TOKENS is not None:  # the longest fit's chunk, its backward in pieces
+        longest = _plan(n, h, v, spec, *_chunked(n, *max(fits, key=lambda fit: fit[2])))
+        forced = _pieces_plan(n, h, v, spec, longest, fits, PIECE_TOKENS)
         return _plan(n, h, v, spec, *_chunked(n, *fits[0])) if forced is None else forced
     for forward, backward, chunk in fits:
         plans.append(_plan(n, h, v, spec, *_chunked(n, forward, backward, chunk)))
@@ -222,25 +223,26 @@ def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsS
     plans = [plan for plan in dict.fromkeys(plans) if plan.extra_bytes <= PLAN_MEMORY_GROWTH * preferred.extra_bytes]
     seconds = {plan: estimated_seconds(plan, w_dtype, target)[0] for plan in plans}
     chosen = next(plan for plan in plans if seconds[plan] <= (1 + PLAN_TOLERANCE) * min(seconds.values()))
-    pieces = _pieces_plan(n, h, v, spec, fits) if searching and chosen.backward.hidden_split > 1 else None
+    pieces = _pieces_plan(n, h, v, spec, chosen, fits) if searching and chosen.backward.hidden_split > 1 else None
     if (pieces is not None and pieces.extra_bytes <= keep_logits_budget(target)
             and estimated_seconds(pieces, w_dtype, target)[0] <= (1 + PLAN_TOLERANCE) * seconds[chosen]):
         return pieces
     return chosen
 
 
-def _pieces_plan(n: int, h: int, v: int, spec: StatsSpec, fits: list[tuple[ForwardConfig, BackwardConfig, int]],
-                 longest: int | None = None) -> KeptPlan | None:
-    """Of the fits, the longest chunk's forward with the backward of the fit that takes the hidden size whole
-    (:func:`_fits`; else the preferred one) over pieces of each chunk (:attr:`KeptPlan.pieces`) of at most that
-    fit's chunk (and ``longest``, :data:`PIECE_TOKENS`) rows; ``None`` where one piece would take the chunk.
-    :func:`plan_chunks` takes it instead of a plan whose backward takes the hidden size in tiles where the
-    roofline (:func:`estimated_seconds`) has it no slower beyond :data:`PLAN_TOLERANCE` and its extra HBM (the
+def _pieces_plan(n: int, h: int, v: int, spec: StatsSpec, base: KeptPlan,
+                 fits: list[tuple[ForwardConfig, BackwardConfig, int]], longest: int | None = None) -> KeptPlan | None:
+    """``base``'s chunks and forward with the backward of the fit that takes the hidden size whole (:func:`_fits`;
+    else the preferred one) over pieces of each chunk (:attr:`KeptPlan.pieces`) of at most that fit's chunk (and
+    ``longest``, :data:`PIECE_TOKENS`) rows; ``None`` where one piece would take the chunk. :func:`plan_chunks`
+    takes it instead of its plan where that plan's backward takes the hidden size in tiles, the roofline
+    (:func:`estimated_seconds`) has the pieces no slower beyond :data:`PLAN_TOLERANCE` and their extra HBM (the
     pieces add the float32 running ``dw`` to a call of one chunk) fits :func:`keep_logits_budget`: v6e, Llama-3
     8B's head, 4096 tokens in one chunk, the backward in two hidden tiles runs 1.171 of its MXU minimum in
     libtpu's schedule (10.98 ms), in pieces of 1536, 1536 and 1024 rows whole 10.43 ms (1.11), a gain the
-    roofline puts within its tolerance."""
-    forward, _, chunk = _chunked(n, *max(fits, key=lambda fit: fit[2]))
+    roofline puts within its tolerance. The chunks stay the plan's: at 8192 tokens its two-tile plan of four
+    2048-token chunks goes in pieces of 1024 rows, not in two 4096-token chunks holding a third more."""
+    forward, chunk = base.forward, base.chunk
     _, backward, fitted = next((fit for fit in fits if fit[1].hidden_split == 1), fits[0])
     limit = fitted if longest is None else min(longest, fitted)
     if limit >= chunk:
