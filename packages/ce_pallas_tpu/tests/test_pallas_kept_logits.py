@@ -348,6 +348,8 @@ def test_the_plan_takes_hidden_tiles_or_more_chunks_only_where_the_roofline_gain
         assert kept_logits.plan_chunks(16384, 4096, 128256, bf16, bf16, spec, target).backward.hidden_split == 1
     llama8b = kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v6e)
     assert (llama8b.chunks, llama8b.pieces, llama8b.backward.hidden_split) == (1, (1536, 1536, 1024), 1)
+    short = kept_logits.plan_chunks(2048, 4096, 128256, bf16, bf16, spec, v6e)  # 1024-row pieces would not hide dw
+    assert (short.chunks, short.pieces, short.backward.hidden_split) == (1, (), 2)
     with pytest.MonkeyPatch.context() as patch:  # without the pieces' budget: the one chunk in two tiles
         patch.setattr(kept_logits, "keep_logits_budget", lambda target: llama8b.extra_bytes - 1)
         tiled = kept_logits.plan_chunks(4096, 4096, 128256, bf16, bf16, spec, v6e)
