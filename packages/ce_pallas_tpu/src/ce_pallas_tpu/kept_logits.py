@@ -243,8 +243,9 @@ def _pieces_plan(n: int, h: int, v: int, spec: StatsSpec, base: KeptPlan,
     pieces add the float32 running ``dw`` to a call of one chunk) fits :func:`keep_logits_budget`: v6e, Llama-3
     8B's head, 4096 tokens in one chunk, the backward in two hidden tiles runs 1.171 of its MXU minimum in
     libtpu's schedule (10.98 ms), in pieces of 1536, 1536 and 1024 rows whole 10.43 ms (1.11), a gain the
-    roofline puts within its tolerance. The chunks stay the plan's: at 8192 tokens its two-tile plan of four
-    2048-token chunks goes in pieces of 1024 rows, not in two 4096-token chunks holding a third more."""
+    roofline puts within its tolerance. The chunks stay the plan's (at 8192 tokens four 2048-token chunks, not two
+    of 4096 holding a third more), and :func:`plan_chunks` also asks the longest piece to hide its float32 ``dw``
+    traffic (:func:`hiding_chunk`: at 2048 tokens two 1024-row pieces would lose to the tiles)."""
     forward, chunk = base.forward, base.chunk
     _, backward, fitted = next((fit for fit in fits if fit[1].hidden_split == 1), fits[0])
     limit = fitted if longest is None else min(longest, fitted)
