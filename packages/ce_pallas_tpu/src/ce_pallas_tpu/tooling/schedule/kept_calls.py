@@ -5,26 +5,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ce_pallas_tpu.tooling.schedule.records import Job
+from ce_pallas_tpu.tooling.schedule.records import Job, chunk_roles, role_of_running_dw
 
 
 def kept_jobs(plan: Any, *, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
               w_layout: str = "hv") -> list[tuple[Job, int]]:
     """``(job, runs)`` for each kernel a call of ``plan`` (a :class:`ce_pallas_tpu.kept_logits.KeptPlan`) runs:
     the forward once per chunk; the backward once per piece of each chunk (:attr:`KeptPlan.pieces`), each in the
-    role of its call among all of them (the float32 running ``dw`` started by the first, added onto by the ones
-    between, ended by the last; one call alone is ``only``). The jobs pin the plan's tiles (a piece's own plan
-    may tile it otherwise) and its hidden tiles."""
+    role its configuration gives it among all of them (:meth:`KeptPlan.piece_configs`: the float32 running ``dw``
+    started by the first, added onto by the ones between, ended by the last; one call alone is ``only``). The jobs
+    pin the plan's tiles (a piece's own plan may tile it otherwise) and its hidden tiles."""
     forward, backward = plan.forward, plan.backward
     forward_job = Job("forward", plan.chunk, plan.h, plan.v, x_dtype=x_dtype, w_dtype=w_dtype, w_layout=w_layout,
                       tiles=(forward.block_b, None, forward.block_v), keep_logits=True,
                       hidden_split=backward.hidden_split)
     runs: dict[Job, int] = {forward_job: plan.chunks}
-    calls = [rows for _ in range(plan.chunks) for rows in plan.piece_rows]
-    for index, rows in enumerate(calls):
-        role = ("only" if len(calls) == 1 else "first" if index == 0 else "last" if index == len(calls) - 1
-                else "middle")
-        job = dataclasses.replace(forward_job, kernel="backward", n=rows, chunk_role=role,
-                                  tiles=(backward.block_b, None, backward.block_v))
-        runs[job] = runs.get(job, 0) + 1
+    for chunk_role, chunks in chunk_roles(plan.chunks).items():
+        for config in plan.piece_configs(chunk_role):
+            role = role_of_running_dw(config.dw_from_running, config.dw_to_running)
+            job = dataclasses.replace(forward_job, kernel="backward", n=config.n, chunk_role=role,
+                                      tiles=(backward.block_b, None, backward.block_v))
+            runs[job] = runs.get(job, 0) + chunks
     return list(runs.items())

@@ -18,6 +18,12 @@ def running_dw(chunk_role: str) -> tuple[bool, bool]:
     return chunk_role in ("middle", "last"), chunk_role in ("first", "middle")
 
 
+def role_of_running_dw(reads: bool, writes: bool) -> str:
+    """The chunk role (:data:`CHUNK_ROLES`) whose backward reads and writes the running ``dw`` so
+    (:func:`running_dw`'s inverse)."""
+    return next(role for role in CHUNK_ROLES if running_dw(role) == (reads, writes))
+
+
 def chunk_roles(chunks: int) -> dict[str, int]:
     """How many chunks of a kept-logits call of ``chunks`` chunks take each role (:data:`CHUNK_ROLES`)."""
     if chunks < 1:
