@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -198,27 +199,49 @@ def _backward_record(records: list[dict], plan: dict, rows: int, role: str) -> d
 def _backward_ms(records: list[dict], plan: dict, rows: int, role: str) -> float | None:
     """That backward's ms: its record's, or where that is missing, failed or reads below the MXU minimum, the
     middle role's cycles at the same rows beside the role's own HBM floor (the middle's without one)."""
-    own, middle = _backward_record(records, plan, rows, role), _usable(_backward_record(records, plan, rows, "middle"))
-    usable = _usable(own)
+    own, raw_middle = _backward_record(records, plan, rows, role), _backward_record(records, plan, rows, "middle")
+    usable, middle = _usable(own), _usable(raw_middle)
     if usable is not None:
         return _ms(usable)
-    if middle is None:
-        return None
+    if middle is None:  # no role reads at or above the MXU minimum: the record as it is (the row says so)
+        raw = own if own is not None and not own.get("error") else raw_middle
+        return None if raw is None or raw.get("error") else _ms(raw)
     floor = own["hbm_floor_us"] if own is not None and own.get("hbm_floor_us") else middle["hbm_floor_us"]
     return max(middle["kernel_us"], floor) / 1e3
+
+
+def _is_gather(op: str) -> bool:
+    return op.split(" ")[0].startswith("gather_offload")
+
+
+@functools.cache
+def gather_cycles_per_entry(gen: str) -> float | None:
+    """What step.py charges the SparseCore label pick per ``[N, V]`` entry on ``gen``: its three ops at a float32
+    read each, from the points whose only estimated ops are those (the same rate at every N and V measured)."""
+    rates = [e["estimated_cycles"] / (e["n"] * e["v_small"]) for e in load().get("materialised", {}).get(gen, [])
+             if e.get("estimated_ops") and all(_is_gather(op) for op in e["estimated_ops"])]
+    return sum(rates) / len(rates) if rates else None
 
 
 def point_ms(gen: str, e: dict) -> float:
     """One compiled materialised step's ms. The label pick offloaded to the SparseCore
     (gather_offload_async_start/update/done) has no static profile; step.py charges each of the three ops
     its operands' bytes, i.e. a whole float32 [N, V] read, for a gather of N values: those estimates are
-    dropped here (the raw sum stays in the record). Other estimated ops (a matmul fusion the profiler
+    dropped here (the raw sum stays in the record; where another op was estimated beside them, the gather's
+    share at :func:`gather_cycles_per_entry`'s rate). Other estimated ops (a matmul fusion the profiler
     aborted on: its flops at the peak) are kept."""
     from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
 
     total = e["kernel_cycles"] + e["xla_cycles"]
-    if e.get("estimated_ops") and all(op.split(" ")[0].startswith("gather_offload") for op in e["estimated_ops"]):
+    ops = e.get("estimated_ops") or []
+    if ops and all(_is_gather(op) for op in ops):
         total -= e["estimated_cycles"]
+    elif any(_is_gather(op) for op in ops):
+        rate = gather_cycles_per_entry(gen)
+        if rate is None:
+            raise ValueError(f"{gen}: no point prices the label pick alone, so {e['head']} at N={e['n']} "
+                             "cannot drop it")
+        total -= rate * e["n"] * e["v_small"]
     return total / SCHEDULE_CHIPS[gen].clock_hz * 1e3
 
 
@@ -285,6 +308,32 @@ def materialised_model(gen: str, name: str, entries: list[dict]) -> dict | None:
             "max_residual": residual, "v_full": mine[0]["v_full"]}
 
 
+def materialised_long_v(gen: str, name: str, entries: list[dict], model: dict) -> dict | None:
+    """Where the head has a point at a larger V than ``model``'s grid (one N of the grid, the most this machine
+    compiles): the step at that N along the line in V through the grid's larger V and that point, taken to the
+    full V, and scaled in N as the grid's larger V scales. v6e's step is not linear in V at 4096-8192 (Llama-3
+    8B's 16384 entries cost 8% more than that line says, Qwen2.5-0.5B's full V 13-25% less): the longer line
+    holds the larger V's cost. None without such a point."""
+    grid = {tuple(int(x) for x in key.split("x")): ms for key, ms in model["points_ms"].items()}
+    v1 = max(v for _, v in grid)
+    longer = [e for e in entries if e["head"] == name and not e.get("error") and e["v_small"] > v1
+              and (e["n"], v1) in grid]
+    if not longer:
+        return None
+    point = max(longer, key=lambda e: e["v_small"])
+    n0, v_big = point["n"], point["v_small"]
+    per_entry = (point_ms(gen, point) - grid[n0, v1]) / (v_big - v1)
+    at_n0 = grid[n0, v1] + per_entry * (model["v_full"] - v1)
+    (na, ya), (nb, yb) = sorted((n, ms) for (n, v), ms in grid.items() if v == v1)
+    slope = (yb - ya) / (nb - na)
+
+    def at_v1(n: int) -> float:
+        return ya + slope * (n - na)
+
+    return {"n0": n0, "v_big": v_big, "ms_at_n0": at_n0, "ms_per_entry_at_n0": per_entry,
+            "scale": {str(n): at_v1(n) / at_v1(n0) for n in TOKENS}}
+
+
 def rows() -> list[dict]:
     from ce_pallas_tpu.target import CHIP_FACTS
     from ce_pallas_tpu.tooling.schedule import chunk_roles
@@ -314,13 +363,21 @@ def rows() -> list[dict]:
                        for rows, role, _ in calls}
             bwd = next((record for record in by_role.values() if record is not None), None)
             bwd = bwd or _usable(_backward_record(records, plan, calls[0][0], "middle"))
+            # v6e's H=3584 heads: every backward record reads below its MXU minimum (libtpu optimistic; the
+            # row is then a lower bound, flagged).
+            below = bwd is None
+            if below:
+                bwd = next((r for r in (_backward_record(records, plan, rows, role) for rows, role, _ in calls)
+                            if r is not None and not r.get("error")), None)
+                bwd = bwd or _backward_record(records, plan, calls[0][0], "middle")
             rfwd = _find(records, kernel="forward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             rbwd = _find(records, kernel="backward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             mxu_ms = 8 * n * h * v / peak * 1e3
             row = {"gen": gen, "head": name, "n": n, "h": h, "v": v, "w_layout": lay, "chunk": chunk,
                    "chunks": plan["chunks"], "extra_gib": plan["extra_bytes"] / 2**30, "mxu_8nhv_ms": mxu_ms,
                    "pieces": plan.get("pieces", []),
-                   "kept_bwd_roles_as_middle": [role for role in roles if by_role[role] is None]}
+                   "kept_bwd_roles_as_middle": [role for role in roles if by_role[role] is None],
+                   "kept_bwd_below_mxu": below}
             fm, bm = (None if r is None else _ms(r) for r in (fwd, bwd))
             row["kept_fwd_ratio"] = None if fwd is None else fwd.get("ratio")
             row["kept_bwd_ratio"] = None if bwd is None else bwd.get("ratio")
@@ -373,6 +430,13 @@ def rows() -> list[dict]:
                 points, residual = len(model["points_ms"]), model["max_residual"]
                 row["materialised_method"] = f"bilinear N,V ({points} points, residual {residual:.3f})"
                 row["materialised_model"] = model
+                longer = materialised_long_v(gen, name, mat, model)
+                if longer is not None:
+                    row["materialised_bilinear_ms"] = row["materialised_ms"]
+                    row["materialised_ms"] = longer["ms_at_n0"] * longer["scale"][str(n)]
+                    row["materialised_method"] = (f"V line to {longer['v_big']} at N={longer['n0']}, "
+                                                  "scaled in N as the bilinear grid's larger V")
+                    row["materialised_long_v"] = longer
                 if fit is not None:
                     single = fit["intercept_ms"] + fit["slope_ms_per_token"] * n
                     row["materialised_single_v_ms"] = single * fit["scale"]
@@ -417,12 +481,15 @@ def cmd_table(args: argparse.Namespace) -> None:
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in selected:
             fwd_bwd = (r.get("kept_fwd_ratio"), r.get("kept_bwd_ratio"))
+            flag = " (a)" if r.get("kept_bwd_below_mxu") else ""
             ratios = "" if fwd_bwd == (None, None) else f" ({_f(fwd_bwd[0], 3)}/{_f(fwd_bwd[1], 3)})"
             print(f"| {r['head']}{' (vh)' if r['w_layout'] == 'vh' else ''} | {r['n']} | {r['chunk']} "
                   f"| {_f(r.get('kept_kernels_ms'))}{ratios} | {_f(r['kept_xla_ms'])} | {_f(r.get('kept_ms'))} "
-                  f"| {_f(r.get('kept_8nhv'), 3)} | {_f(r.get('recompute_ms'))} | {_f(r.get('recompute_8nhv'), 3)} "
+                  f"| {_f(r.get('kept_8nhv'), 3)}{flag} | {_f(r.get('recompute_ms'))} "
+                  f"| {_f(r.get('recompute_8nhv'), 3)} "
                   f"| {_f(r.get('materialised_ms'))} | {_f(r.get('materialised_8nhv'), 3)} "
                   f"| {_f(r.get('kept_over_materialised'), 2)} | {r['extra_gib']:.2f} | {r['default_choice']} |")
+    print("\n(a) Its backward's profile reads below the kernel's MXU minimum (libtpu optimistic): a lower bound.")
     print("\n### materialised step points (ms at the reduced V; fit through the two N; scaled to the full V)\n")
     print("| gen | head | V small | N: ms | intercept ms | ms / 1k tokens | scale | at N=4096 | at N=16384 | errors |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---|")
