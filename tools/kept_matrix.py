@@ -361,15 +361,15 @@ def rows() -> list[dict]:
             roles = {f"{rows}:{role}": count for rows, role, count in calls}
             by_role = {f"{rows}:{role}": _usable(_backward_record(records, plan, rows, role))
                        for rows, role, _ in calls}
-            bwd = next((record for record in by_role.values() if record is not None), None)
-            bwd = bwd or _usable(_backward_record(records, plan, calls[0][0], "middle"))
-            # v6e's H=3584 heads: every backward record reads below its MXU minimum (libtpu optimistic; the
-            # row is then a lower bound, flagged).
+            # The backward the row's ratios quote: the first usable of each call's record and the middle role's at
+            # the first call's rows; where none is usable (v6e's H=3584 heads: every record reads below its MXU
+            # minimum, libtpu optimistic) the first that did not fail, the row then a lower bound, flagged.
+            candidates = [*(_backward_record(records, plan, rows, role) for rows, role, _ in calls),
+                          _backward_record(records, plan, calls[0][0], "middle")]
+            bwd = next((record for record in candidates if _usable(record) is not None), None)
             below = bwd is None
             if below:
-                bwd = next((r for r in (_backward_record(records, plan, rows, role) for rows, role, _ in calls)
-                            if r is not None and not r.get("error")), None)
-                bwd = bwd or _backward_record(records, plan, calls[0][0], "middle")
+                bwd = next((record for record in candidates if record is not None and not record.get("error")), None)
             rfwd = _find(records, kernel="forward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             rbwd = _find(records, kernel="backward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
             mxu_ms = 8 * n * h * v / peak * 1e3
