@@ -63,7 +63,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With ``--backend``, keep only the items parametrised with one of those ``backend_name`` values."""
+    """With ``--backend``, keep only the items parametrised with one of those ``backend_name`` values; with
+    ``CE_ROTATION_SEED``, only this run's share of each ``@pytest.mark.rotating`` test's rows."""
+    rotate(config, items, os.environ.get("CE_ROTATION_SEED"))
     wanted = config.getoption("--backend")
     if not wanted:
         return
@@ -74,6 +76,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def rotate(config: pytest.Config, items: list[pytest.Item], seed: str | None) -> None:
+    """Deselect all but one share of the rows of each test marked ``@pytest.mark.rotating(shares=K)``.
+
+    Row ``i`` (in collection order) of such a test runs when ``(i + seed) % K == 0``, so K consecutive seeds
+    run every row once. CI's slow tier sets a new seed each run (printed, to rerun a failure with it); without
+    ``CE_ROTATION_SEED`` every row runs. Used only for compile-only TPU checks that are rows of one matrix
+    (a generation by a tile entry, say) whose every row costs libtpu half a minute to minutes.
+    """
+    if seed is None:
+        return
+    rows: dict[tuple[str, str], int] = {}
+    drop = []
+    for item in items:
+        marker = item.get_closest_marker("rotating")
+        if marker is None:
+            continue
+        shares = int(marker.kwargs.get("shares", 3))
+        key = (str(item.path), getattr(item, "originalname", item.name))
+        index = rows.get(key, 0)
+        rows[key] = index + 1
+        if (index + int(seed)) % shares:
+            drop.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        dropped = set(map(id, drop))
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

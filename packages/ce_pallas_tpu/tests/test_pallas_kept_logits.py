@@ -622,7 +622,9 @@ def test_the_backend_takes_the_kept_path_by_default_unless_its_budget_is_zero(in
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("llama3_8k_recompute")  # test_pallas_aot's real shapes compile the same recompute step
-@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e"])
+# v6e's case (~120 s of libtpu at slowdown 1) was dropped on 2026-12-02 when the slow tier outgrew CI's limit: v6e's
+# kept default at this head is compiled by the 4096-token test below and, over a 2x2 mesh, by test_sharded_step.
+@pytest.mark.parametrize("generation", ["v5e", "v5p"])
 def test_the_default_compiles_and_holds_only_the_chunk_and_the_float32_dw(generation):
     """Llama-3 8B's head at 8192 tokens, bf16, compiled for the generation with the default
     ``keep_logits=None``: on v5p and v6e it keeps the logits, holding what the recompute step holds plus
@@ -675,6 +677,7 @@ def test_v6e_takes_4096_tokens_of_llama3_8b_in_one_chunk_its_backward_in_pieces_
 
 
 @pytest.mark.slow
+@pytest.mark.rotating(shares=3)  # one row in three a CI run, a new share each run (conftest.rotate)
 @pytest.mark.parametrize("generation,h", [("v5p", 8192), ("v6e", 8192), ("tpu7x", 4096)])
 def test_a_wide_heads_kept_path_compiles_in_hidden_tiles(generation, h):
     """Llama-3 70B's head (Llama-3 8B's on TPU7x, whose VMEM starves even that) split eight ways over the

@@ -204,6 +204,7 @@ def test_a_problem_at_its_examples_hidden_size_keeps_the_entry() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.rotating(shares=3)  # one row in three a CI run, a new share each run (conftest.rotate)
 @pytest.mark.covering(generation=GENERATIONS, head=tuple(NARROW_HEADS), objective=("loss", "rl"))
 def test_the_narrow_model_heads_compile_with_the_tiles_the_rule_gives(generation: str, head: str,
                                                                       objective: str) -> None:

@@ -76,6 +76,7 @@ def test_libtpus_figure_is_read_from_an_out_of_vmem_error() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.rotating(shares=3)  # one row in three a CI run, a new share each run (conftest.rotate)
 @pytest.mark.parametrize("generation,kernel,n,h,v,sizes,options", CASES)
 def test_the_model_bounds_libtpus_figure(generation: str, kernel: str, n: int, h: int, v: int,
                                          sizes: tuple[int, int | None, int, int | None],
