@@ -113,6 +113,40 @@ def _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout: 
 
 
 @pytest.mark.interpreter
+def test_middle_chunks_called_one_after_another_or_in_a_loop_give_the_same_gradients(interpret, monkeypatch):
+    """Five chunks (three middle ones, the last overlapping the fourth): called one after another in the program
+    (the default up to ``UNROLLED_MIDDLE_CHUNKS``, which libtpu compiles in less than half the time) or in a
+    ``lax.fori_loop`` (beyond it), the same loss and gradients bit for bit, the oracle's, race-checked."""
+    interpret("v5e")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 16)
+    n, h, v = 70, 72, 300
+    x, labels, w = _problem(29, n, h, v, "hv", "float32")
+    sizes = BlockSizes(16, None, 128)
+    options = dict(block_sizes=sizes, logit_soft_cap=3.0)
+    plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec(block_sizes=sizes))
+    assert plan.chunks == 5
+    results, programs = {}, {}
+    for unrolled in (3, 2):  # three middle chunks: unrolled, then looped
+        monkeypatch.setattr(kept_logits, "UNROLLED_MIDDLE_CHUNKS", unrolled)
+        jax.clear_caches()
+        loss, grads = _value_and_grads(x, labels, w, keep_logits=True, options=options, weights=None)
+        results[unrolled] = [np.asarray(a) for a in (loss, *grads)]
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+        text = str(jax.make_jaxpr(lambda x_, w_: _value_and_grads(x_, labels, w_, keep_logits=True, options=options,
+                                                                  weights=None))(x, w))
+        programs[unrolled] = text.count("pallas_call[")
+    # Unrolled: a forward and a backward call per chunk; looped: the first's, the loop body's and the last's.
+    assert programs == {3: 2 * 5, 2: 2 * 3}, programs
+    for name, unrolled, looped in zip(("loss", "dx", "dw"), results[3], results[2], strict=True):
+        assert np.array_equal(unrolled, looped), name
+    expected = _oracle(x, labels, w, "hv", options, None, 1.0)
+    assert max_rel_error(results[3][0], expected["loss"]) <= TOLERANCES["float32"][0]
+    assert max_rel_error(results[3][1], expected["dx"]) <= TOLERANCES["float32"][1]
+    assert max_rel_error(results[3][2], expected["dw"]) <= TOLERANCES["float32"][1]
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout,n", [("hv", 600), ("vh", 230)])
 def test_the_kept_backwards_default_tiles_match_the_oracle(interpret, monkeypatch, layout, n):
     """The kept backward's own default tiles (the whole hidden size per product, a token block that divides

@@ -2,7 +2,8 @@
 
 For a loss reduced to a scalar, every token's cotangents are known as soon as its statistics are
 (``cotangent_fn``, :meth:`ce_core.Backend.row_stats_and_grads`). So the tokens go in chunks of
-``chunk`` rows, one after another (a ``lax.fori_loop``), and for each chunk:
+``chunk`` rows, one after another (unrolled up to :data:`UNROLLED_MIDDLE_CHUNKS`, a ``lax.fori_loop``
+beyond), and for each chunk:
 
 1. the forward kernel computes the chunk's statistics and also writes its raw logits ``x @ w``
    (float32, before the cap and the row scale) to an HBM buffer of that chunk only
@@ -70,6 +71,13 @@ HIDDEN_SPLIT: int | None = None
 #: The most rows of a backward piece (``None``: :func:`plan_chunks` decides, :attr:`KeptPlan.pieces`; tests
 #: set a small number to run the backward of each chunk in pieces).
 PIECE_TOKENS: int | None = None
+#: The most middle chunks (neither the first nor the last) called one after another in the program; more go
+#: in a ``lax.fori_loop``, which keeps the program's size bounded. Around v6e's large Llama-3 8B kernels a loop
+#: doubles libtpu's compile (16384 tokens, 11 chunks: 225 s against 91 s unrolled; 65536 tokens: 215 s against
+#: 128 s), where unrolled calls of identical kernels compile once; elsewhere unrolling costs a little (v5p's
+#: 30 middle chunks at 16384 tokens: 15 -> 23-27 s, 31 MB more temporaries, XLA overlapping two chunks' XLA
+#: work). Measured on this 2-core machine, 2026-12-02: docs/notes/2026-12-02-kept-chunks-unrolled.md.
+UNROLLED_MIDDLE_CHUNKS = 64
 #: Bounds of the rule's chunk: fewer rows make each step's matmuls short; more hold more logits.
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 1024, 4096
 #: The fewest tokens per chunk the default shrinks a chunk to, to fit its budget (the roofline then says
@@ -657,7 +665,10 @@ def row_stats_and_grads(
         first_new = index * rows
         start = jnp.minimum(first_new, n - rows) if n % rows else first_new
         piece = lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows)  # noqa: E731
-        x_c, y_c = piece(x), piece(y).reshape(-1, 1)
+        x_all = x
+        if kept is not None:  # this chunk's x read once the chunk before is done (not every chunk's at once)
+            x_all, kept = jax.lax.optimization_barrier((x, kept))
+        x_c, y_c = piece(x_all), piece(y).reshape(-1, 1)
         s_c = None if scale is None else piece(scale).reshape(-1, 1)
         live_c = None if live is None else piece(live)
         partials = forward_call(x_c, w, y_c, plan.forward, s_c, plan.logits_shape,
@@ -701,7 +712,11 @@ def row_stats_and_grads(
         carry = chunk(0, carry, plan.piece_configs("first"))
         if plan.chunks > 2:
             middle = plan.piece_configs("middle")
-            carry = jax.lax.fori_loop(1, plan.chunks - 1, functools.partial(chunk, configs=middle), carry)
+            if plan.chunks - 2 <= UNROLLED_MIDDLE_CHUNKS:
+                for index in range(1, plan.chunks - 1):
+                    carry = chunk(index, carry, middle)
+            else:
+                carry = jax.lax.fori_loop(1, plan.chunks - 1, functools.partial(chunk, configs=middle), carry)
         carry = chunk(plan.chunks - 1, carry, plan.piece_configs("last"))
     stats, dx, dw, _ = carry
     return stats, dx, dw
