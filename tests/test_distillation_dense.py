@@ -516,7 +516,7 @@ def test_pallas_tpu_ignored_tokens_count_for_nothing_even_with_nan_hidden_states
     assert not np.asarray(dx)[0, :3].any()
 
 
-@pytest.mark.interpreter
+@pytest.mark.slow  # 14 s in the race-checked interpreter (the interpreter tier's second heaviest)
 @pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
 def test_pallas_tpu_pair_kernels_skip_token_blocks_without_a_counted_token(pallas_interpreter, monkeypatch,
                                                                           divergence):

@@ -112,7 +112,7 @@ def _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout: 
     assert races is not None and not races.races_found
 
 
-@pytest.mark.interpreter
+@pytest.mark.slow  # 13 s in the race-checked interpreter (the interpreter tier is at its budget)
 def test_middle_chunks_called_one_after_another_or_in_a_loop_give_the_same_gradients(interpret, monkeypatch):
     """Five chunks (three middle ones, the last overlapping the fourth): called one after another in the program
     (the default up to ``UNROLLED_MIDDLE_CHUNKS``, which libtpu compiles in less than half the time) or in a
@@ -217,7 +217,7 @@ def test_a_hidden_size_in_tiles_matches_the_oracle(interpret, monkeypatch, layou
     _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout)
 
 
-@pytest.mark.interpreter
+@pytest.mark.slow  # 16 s in the race-checked interpreter, three plans (the interpreter tier's heaviest case)
 def test_hidden_tiles_with_and_without_delta_over_the_logits_match_one_tile_exactly(interpret, monkeypatch):
     """The kept backward in two hidden tiles, each forming ``delta`` or the first writing it over the kept
     logits (packed bf16) for the second to read: bf16, a soft cap, label smoothing, z-loss and per-token
