@@ -109,6 +109,12 @@ class BackwardConfig(common.KernelConfig):
     #: Kept-logits mode: the token block of the kept logits' buffer this call's first row is (a piece of a
     #: longer chunk, :attr:`ce_pallas_tpu.kept_logits.KeptPlan.pieces`); the call reads its rows from there.
     logits_row_block: int = 0
+    #: Kept-logits mode without the entropy's terms: the caller folded each row's ``|g_lse|`` into its ``lse``
+    #: (``lse - log|g_lse|``) and its sign into ``x`` and ``dx`` (``g_label`` and ``g_sum`` signed alike), so
+    #: ``delta``'s softmax term is one ``exp`` with no product per logit (:func:`ce_pallas_tpu.kept_logits.
+    #: fold_cotangent`; v6e, Qwen3-0.6B's kept backward: 1.285 -> 1.248 of its MXU minimum). Kept mode only: the
+    #: signed ``x`` feeds only the ``dw`` product there, where a recompute would take it into the logits.
+    cotangent_in_exponent: bool = False
 
     @property
     def dw_slots_read(self) -> bool:
@@ -544,16 +550,20 @@ def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
     """The per-row inputs of the step as values. In a ragged last token block the rows past ``N``
     hold garbage (NaN, say): their coefficients are zeroed and their ``lse``, ``expected`` and scale
     made 0, so that their ``delta`` is exactly 0 (their ``x`` rows are zeros, so their logits are 0 and
-    ``p`` is 1) and no per-logit mask is needed."""
+    ``p`` is 1) and no per-logit mask is needed. With :attr:`BackwardConfig.cotangent_in_exponent` their
+    ``lse`` (which carries ``g_lse``) is made ``+inf`` instead: ``p`` is 0."""
     values = _Rows(*(None if ref is None else ref[...] for ref in rows))
     if cfg.n % cfg.block_b == 0:
         return values
     row_ok = (i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, 1), 0)) < cfg.n
 
-    def zeroed(value):
-        return None if value is None else jnp.where(row_ok, value, jnp.zeros((), value.dtype))
+    def zeroed(value, past_n=0.0):
+        return None if value is None else jnp.where(row_ok, value, jnp.full((), past_n, value.dtype))
 
-    return _Rows(values.y, *(zeroed(value) for value in values[1:]))  # a garbage label meets g_label = 0
+    zeroed_rows = _Rows(values.y, *(zeroed(value) for value in values[1:]))  # a garbage label meets g_label = 0
+    if cfg.cotangent_in_exponent:
+        return zeroed_rows._replace(lse=zeroed(values.lse, jnp.inf))
+    return zeroed_rows
 
 
 def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardConfig) -> jax.Array:
@@ -577,7 +587,9 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
     first = block * cfg.block_v
     col = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     p = jnp.exp(z - row.lse)
-    if row.expected is None or row.g_expected is None:
+    if cfg.cotangent_in_exponent:  # g_lse is in the lse already (its sign in x and dx)
+        delta = p
+    elif row.expected is None or row.g_expected is None:
         delta = row.g_lse * p
     else:
         # p * (g_lse + g_expected * (1 + z - expected)), its row terms gathered: two vector ops per
@@ -782,6 +794,8 @@ def backward_call(
         raise ValueError("backward_call: delta_over_logits needs the kept-logits mode in hidden tiles")
     if cfg.x_transposed and not (cfg.kept_logits and cfg.w_layout == "hv"):
         raise ValueError("backward_call: x_transposed needs the kept-logits mode and an [H, V] head")
+    if cfg.cotangent_in_exponent and not (cfg.kept_logits and not cfg.with_expected):
+        raise ValueError("backward_call: cotangent_in_exponent needs the kept-logits mode without the entropy's terms")
     if cfg.logits_row_block and not (cfg.kept_logits and not cfg.delta_over_logits):
         raise ValueError("backward_call: logits_row_block needs the kept-logits mode without delta_over_logits")
     if cfg.kept_logits:

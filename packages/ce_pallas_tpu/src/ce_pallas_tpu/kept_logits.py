@@ -595,7 +595,8 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
                               delta_over_logits=facts is not None and facts.delta_over_logits and split > 1,
                               x_transposed=facts is not None and facts.kept_x_transposed
                               and base.backward.w_layout == "hv",
-                              dw_zeros_by_dma=facts is not None and facts.kept_dw_zeros_by_dma)
+                              dw_zeros_by_dma=facts is not None and facts.kept_dw_zeros_by_dma,
+                              cotangent_in_exponent=not base.backward.with_expected)
     if cfg.hidden_tile % cfg.block_h:
         cfg = dataclasses.replace(cfg, block_h=cfg.hidden_tile)
     if not explicit:
@@ -687,8 +688,10 @@ def row_stats_and_grads(
             part = functools.partial(jax.lax.slice_in_dim, start_index=offset, limit_index=offset + cfg.n)
             x_p, y_p, s_p, live_p = (None if a is None else part(a) for a in (x_c, y_c, s_c, live_c))
             stats_p, cotangent_p = jax.tree.map(part, stats_c), jax.tree.map(part, cotangent)
-            dx_partials, dw, logits = _backward(x_p, w, y_p, s_p, stats_p, cotangent_p, logits, dw, cfg, live_p)
-            dx_pieces.append(merged_dx(dx_partials, cfg.n, h, live_p))
+            dx_partials, dw, logits, sign = _backward(x_p, w, y_p, s_p, stats_p, cotangent_p, logits, dw, cfg,
+                                                      live_p)
+            dx_p = merged_dx(dx_partials, cfg.n, h, live_p)
+            dx_pieces.append(dx_p if sign is None else sign * dx_p)
             offset += cfg.n
         # The next chunk's forward writes into this buffer: only once this backward has read it (without
         # the barrier XLA may run that forward first, on a copy: a second logits buffer).
@@ -725,7 +728,8 @@ def row_stats_and_grads(
 def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, cfg: BackwardConfig,
               live: jax.Array | None):
     """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's, the
-    logits' buffer as the kernel leaves it)``; dead rows (``live`` false) made inert, dead token blocks skipped."""
+    logits' buffer as the kernel leaves it, the rows' sign that dx takes or None)``; dead rows (``live``
+    false) made inert, dead token blocks skipped."""
 
     def column(g: jax.Array | None) -> jax.Array | None:
         return None if g is None else g.astype(jnp.float32).reshape(-1, 1)
@@ -737,8 +741,23 @@ def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, ru
         expected, g_expected = column(expected_rows), column(cotangent.expected)
     lse, g_lse, g_label = column(lse), column(cotangent.lse), column(cotangent.label)
     assert lse is not None and g_lse is not None and g_label is not None
-    return backward_call(x_c, w, y_c, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, s_c,
-                         kept=(logits, running_dw), live_blocks=live_blocks(live, cfg.block_b))
+    sign = None
+    if cfg.cotangent_in_exponent:
+        lse, sign = fold_cotangent(lse, g_lse)
+        g_label, g_sum = sign * g_label, None if g_sum is None else sign * g_sum
+        x_c = sign.astype(x_c.dtype) * x_c
+    dx_partials, dw, logits = backward_call(x_c, w, y_c, lse, g_lse, g_label, g_sum, expected, g_expected, cfg,
+                                            s_c, kept=(logits, running_dw), live_blocks=live_blocks(live, cfg.block_b))
+    return dx_partials, dw, logits, sign
+
+
+def fold_cotangent(lse: jax.Array, g_lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(lse - log|g_lse|, sign)`` of float32 ``[rows, 1]`` columns, for a backward with
+    :attr:`BackwardConfig.cotangent_in_exponent`: ``exp(z - lse')`` is ``|g_lse| p``, and ``sign`` (+-1, +1 where
+    ``g_lse`` is 0) goes onto ``x``'s rows before the kernel (``dw = x.T delta`` sums ``sign |g_lse| p x``) and onto
+    ``dx``'s after it; both are exact. A row with ``g_lse`` 0 gets ``lse' = +inf``: ``p`` is 0, as a dead row's."""
+    sign = jnp.where(g_lse < 0, -1.0, 1.0).astype(jnp.float32)
+    return lse - jnp.log(jnp.abs(g_lse)), sign
 
 
 def _empty_stats(n: int, spec: StatsSpec) -> RowStats:
