@@ -1,6 +1,7 @@
 """The kept-logits kernels across the model-head matrix, from libtpu's static schedule (no TPU needed).
 
     uv run python tools/kept_matrix.py kernels GEN [--heads a,b] [--skip-recompute | --only-recompute] [--tokens 4096]
+        [--kept-backward-only]
     uv run python tools/kept_matrix.py materialised GEN --heads a,b --v-small 8192 --tokens 2048,4096
     uv run python tools/kept_matrix.py table [--save]
 
@@ -93,7 +94,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     from ce_pallas_tpu.tooling import schedule
 
     gen = args.gen
-    jobs, plans = [], {}
+    jobs, kept_jobs, plans = [], [], {}
     tokens = TOKENS if args.tokens is None else tuple(int(t) for t in args.tokens.split(","))
     for name, h, v in heads(args.heads):
         lay = layout(name)
@@ -118,7 +119,12 @@ def cmd_kernels(args: argparse.Namespace) -> None:
             kept += [dataclasses.replace(job, chunk_role="middle") for job in kept
                      if job.kernel == "backward" and job.chunk_role != "middle"]
             if not args.only_recompute:
-                jobs += [job for job in dict.fromkeys(kept) if job not in jobs]
+                kept_jobs += [job for job in dict.fromkeys(kept) if job not in kept_jobs]
+    # --kept-backward-only: the kept forwards' records stand (a change to the backward alone) and stay current; a
+    # forward without a record of its job (an older plan's tiles, say) is measured.
+    recorded = {json.dumps(old["job"], sort_keys=True) for old in load().get("kernels", {}).get(gen, [])}
+    jobs += [job for job in kept_jobs if not (args.kept_backward_only and job.kernel == "forward"
+                                              and json.dumps(dataclasses.asdict(job), sort_keys=True) in recorded)]
     if not args.skip_recompute:
         for name, h, v in heads(args.heads):
             jobs += [schedule.Job(k, n, h, v, w_layout=layout(name)) for n in tokens for k in ("forward", "backward")]
@@ -128,7 +134,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     data.setdefault("environment", environment())
     kernels = data.setdefault("kernels", {}).setdefault(gen, [])
     if not args.only_recompute and set(tokens) == set(TOKENS):  # earlier plans' kept records (other chunks): stale
-        current = [dataclasses.asdict(job) for job in jobs]
+        current = [dataclasses.asdict(job) for job in jobs + kept_jobs]
         measured = {(h, v) for _, h, v in heads(args.heads)}
         kernels[:] = [old for old in kernels if not old["job"]["keep_logits"] or old["job"] in current
                       or (old["job"]["h"], old["job"]["v"]) not in measured]
@@ -517,6 +523,8 @@ def main(argv: list[str]) -> int:
     kernels.add_argument("--heads")
     kernels.add_argument("--skip-recompute", action="store_true")
     kernels.add_argument("--only-recompute", action="store_true")
+    kernels.add_argument("--kept-backward-only", action="store_true",
+                         help="measure the kept backwards only, the forwards' records kept as they stand")
     kernels.add_argument("--tokens", help="comma-separated token counts of TOKENS (default all; a subset keeps the "
                          "other counts' records)")
     kernels.set_defaults(fn=cmd_kernels)

@@ -80,7 +80,10 @@ def test_kept_logits_matches_the_oracle(interpret, monkeypatch, target, layout, 
     if extras == "soft_cap":
         options.update(logit_soft_cap=3.0)
     rng = np.random.default_rng(n)
-    weights = rng.uniform(0.5, 2.0, n).astype(np.float32) if extras == "weights" else None
+    weights = None
+    if extras == "weights":  # of both signs and some 0: the rows' cotangents too (the backward folds their sign into x)
+        weights = rng.uniform(-1.0, 2.0, n).astype(np.float32)
+        weights[::7] = 0.0
     temperatures = {"none": 1.0, "scalar": 0.7, "per_token": rng.uniform(0.5, 2.0, n).astype(np.float32)}
     t = temperatures[temperature]
     if temperature != "none":
