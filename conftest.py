@@ -116,14 +116,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     take turns over the rows (each backend runs, and each row runs once), for tests whose other factors
     already meet every backend elsewhere and cost seconds a row (eager calls on a mesh). With ``fast=K``
     the first ``K`` rows (those that meet the most pairs) run in the fast tier and the rest in the slow
-    one: the whole array still runs in CI, a newcomer's ``uv run pytest`` runs its head.
+    one: the whole array still runs in CI, a newcomer's ``uv run pytest`` runs its head. A test marked
+    ``@pytest.mark.cpu_rows_slow`` runs its reference and xla rows in the slow tier (:func:`_tier_marks`).
     """
     covering = metafunc.definition.get_closest_marker("covering")
     if "backend_name" not in metafunc.fixturenames and covering is None:
         return
     backends = backends_for(metafunc.module) if "backend_name" in metafunc.fixturenames else None
     if covering is None:
-        metafunc.parametrize("backend_name", backends or [])
+        metafunc.parametrize("backend_name", [pytest.param(name, marks=_tier_marks(metafunc, name))
+                                              for name in backends or []])
         return
     options = dict(covering.kwargs)
     require, turns = options.pop("require", ()), options.pop("backends", "pairs") == "turns"
@@ -136,9 +138,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         rows = [{"backend_name": backends[k % len(backends)], **rows[k % len(rows)]}
                 for k in range(max(len(rows), len(backends)))]
     params = [pytest.param(*row.values(), id="-".join(f"{value}" for value in row.values()),
-                           marks=() if fast is None or k < fast else (pytest.mark.slow,))
+                           marks=(() if fast is None or k < fast else (pytest.mark.slow,))
+                           or _tier_marks(metafunc, row.get("backend_name")))
               for k, row in enumerate(rows)]
     metafunc.parametrize(list(rows[0]), params)
+
+
+def _tier_marks(metafunc: pytest.Metafunc, backend: object) -> tuple[pytest.MarkDecorator, ...]:
+    """``(slow,)`` for a row of a test marked ``@pytest.mark.cpu_rows_slow`` on a backend other than pallas_tpu:
+    its ``reference`` and ``xla`` rows run in the slow tier, its interpreted pallas_tpu row where it ran before
+    (CI's interpreter tier, ``pytest tests --backend pallas_tpu``)."""
+    if backend != "pallas_tpu" and metafunc.definition.get_closest_marker("cpu_rows_slow") is not None:
+        return (pytest.mark.slow,)
+    return ()
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ def example(load_example):
     return load_example("on_policy_distillation.py")
 
 
+@pytest.mark.slow  # 18 s of compiles: the slow tier (since 2026-12-03, when the fast tier neared its 5 minutes)
 def test_the_fused_step_matches_materialised_logits(example, implementation="xla"):
     """One on-policy batch: the student's loss and every parameter's gradient, fused against materialised."""
     config = example.DistillConfig(num_prompts=4)

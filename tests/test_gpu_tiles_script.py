@@ -28,6 +28,7 @@ def test_every_variant_is_timed_with_its_own_plan_and_the_budgets_are_restored(l
     assert target.BUDGETS["cpu"] is target.CPU
 
 
+@pytest.mark.slow  # it times every budget (8 s): the slow tier since 2026-12-03
 def test_the_forward_mode_times_each_statistics_budget_beside_the_reference(load_benchmark_script):
     script = load_benchmark_script("gpu_xla_tiles.py")
     assert script.FORWARD_VARIANTS["GPU's (512 MiB, full rows from 512)"] == {}

@@ -63,12 +63,14 @@ def test_log_probs_and_entropy(backend_name, temperature, cap, dtype):
     check_log_probs(backend_name, x, labels, w, dtype=dtype, temperature=temperature, logit_soft_cap=cap)
 
 
+@pytest.mark.cpu_rows_slow
 def test_log_probs_alone_does_not_need_the_entropy_statistic(backend_name):
     x, labels, w = random_problem(2, (2, 9), 32, 77)
     check_log_probs(backend_name, x, labels, w, return_entropy=False, temperature=0.9)
     check_log_probs(backend_name, x, labels, w, return_entropy=True, jit=False)
 
 
+@pytest.mark.cpu_rows_slow
 def test_ignored_tokens_give_zero_and_get_no_gradient(backend_name):
     x, _, w = random_problem(3, (6,), 16, 40)
     labels = np.array([1, -100, 3, -100, 5, 7], np.int32)

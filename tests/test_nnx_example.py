@@ -79,6 +79,7 @@ def expected_policy_gradient(example, rl_setup):
     return policy_loss_and_grads(example, rl_setup, example.materialised_log_probs)
 
 
+@pytest.mark.cpu_rows_slow  # the RL rows' rollouts and compiles (30 s) in the slow tier since 2026-12-03
 @pytest.mark.covering(temperatures=("per_sequence", 0.8), backends="turns")
 def test_rl_log_probs_and_entropy_match_float64(example, rl_setup, backend_name, temperatures):
     graphdef, params, rl, batch, _ = rl_setup
@@ -100,6 +101,7 @@ def test_rl_log_probs_and_entropy_match_float64(example, rl_setup, backend_name,
     assert max_rel_error(reference_entropy, expected_entropy) < 1e-5
 
 
+@pytest.mark.cpu_rows_slow
 def test_rl_policy_gradient_matches_materialised_logits(example, rl_setup, expected_policy_gradient, backend_name):
     batch = rl_setup[3]
     assert float(jnp.std(batch["rewards"])) > 0  # the advantages are not all zero

@@ -32,6 +32,7 @@ def test_awkward_shapes(backend_name, shape, reduction):
     compare_with_oracle(backend_name, Case(reduction=reduction, label_smoothing=0.05), x, labels, w)
 
 
+@pytest.mark.cpu_rows_slow
 def test_eager_matches_jit(backend_name):
     x, labels, w = random_problem(3, (4, 9), 32, 77)
     compare_with_oracle(backend_name, Case(logsumexp_weight=1e-4), x, labels, w, jit=False)

@@ -6,6 +6,7 @@ pallas_tpu's interpreted kernels) add up to breadth across runs.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +28,7 @@ batch_shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
 EXAMPLES = {"pallas_tpu": 6}
 
 
+@pytest.mark.cpu_rows_slow
 def test_matches_oracle(backend_name):
     @settings(max_examples=EXAMPLES.get(backend_name, 12), deadline=None)
     @given(case=cases, batch_shape=batch_shapes, hidden=st.integers(1, 70), vocab=st.integers(2, 600),

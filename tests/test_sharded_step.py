@@ -264,7 +264,8 @@ def assert_per_example_gradients(mode, mesh, grads, x, labels, w):
 # --- pallas_tpu: interpret mode on a 2x2 mesh --------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,layout", [("explicit", "data_x_vocab"), ("auto", "fsdp"),
+@pytest.mark.parametrize("mode,layout", [("explicit", "data_x_vocab"),
+                                         pytest.param("auto", "fsdp", marks=pytest.mark.slow),
                                          ("auto_set_mesh", "data_x_vocab"), ("auto_stated", "fsdp")])
 def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
     """Every mode runs the race-checked TPU interpreter per shard (the shard_map a TPU runs); each layout,
@@ -302,8 +303,8 @@ def test_pallas_tpu_follows_the_callers_layout(monkeypatch, mode, layout):
     assert not interpret_pallas_call.races.races_found
 
 
-@pytest.mark.parametrize("mode", [pytest.param(mode, marks=() if mode in ("explicit", "auto_set_mesh") else
-                                                pytest.mark.slow) for mode in MODES])
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=() if mode == "explicit" else pytest.mark.slow)
+                                  for mode in MODES])
 def test_pallas_tpu_per_example_gradients_under_vmap_in_a_sharded_step(monkeypatch, mode):
     """Pallas cannot batch the kernels; ce_core runs the mapped examples one by one, on every shard."""
     monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")

@@ -226,7 +226,7 @@ def _make_mesh(axis_type, shape=(2, 4)):
     return jax.make_mesh(shape, ("data", "vocab"), axis_types=(axis_type,) * 2, devices=jax.devices("cpu")[:8])
 
 
-@pytest.mark.covering(axis_type=(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto), call=("eager", "jit"),
+@pytest.mark.covering(axis_type=(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto), call=("jit", "eager"),
                       fast=2)
 def test_wrapper_takes_a_make_mesh_mesh_and_ordinary_arrays(backend_name, axis_type, call):
     mesh = _make_mesh(axis_type)

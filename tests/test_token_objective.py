@@ -180,6 +180,7 @@ class _Unhashable:
 # --- a sharded placement ------------------------------------------------------------------------
 
 
+@pytest.mark.cpu_rows_slow
 def test_over_a_mesh_splitting_tokens_and_vocab_matches_the_oracle(backend_name):
     """Explicit axes: tokens over "data", the head's vocab over "model" (4 devices for interpreted pallas_tpu)."""
     devices = 4 if backend_name == "pallas_tpu" and os.environ.get("CE_PALLAS_TPU_INTERPRET") else 8

@@ -32,6 +32,7 @@ def ours(backend, reduction):
     return lambda x, w: jnp.sum(linear_cross_entropy(x, LABELS, w, reduction=reduction, implementation=backend))
 
 
+@pytest.mark.slow  # the reference's second-order compiles (10 s): the slow tier since 2026-12-03
 @SECOND_ORDER
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_grad_of_grad_matches_plain_jax(backend, reduction):
@@ -53,6 +54,7 @@ def test_hessian_vector_product_of_the_mean_loss(backend):
     assert max_rel_error(hvp(ours(backend, "mean")), expected) < 1e-4
 
 
+@pytest.mark.cpu_rows_slow
 def test_vmap_matches_a_python_loop(backend_name):
     """Per-example values and gradients under ``vmap``, against the reference backend one example at a
     time. pallas_tpu's kernels cannot be batched by Pallas; ce_core folds the mapped axis into the

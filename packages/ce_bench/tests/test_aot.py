@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="ahead-of-time TPU compilation needs libtpu (dev dependency group)")
 
 
+@pytest.mark.slow
 def test_aot_v5e_compiles_the_reference_backend_on_a_tiny_shape(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     json_path, png_path = tmp_path / "aot.json", tmp_path / "aot.png"

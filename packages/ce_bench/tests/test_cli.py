@@ -190,6 +190,7 @@ def test_report_subcommand_rerenders_json(tmp_path: Path, capsys: pytest.Capture
     assert (tmp_path / "again.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # three bench runs (11 s): the slow tier since 2026-12-03
 @pytest.mark.parametrize(("objective", "tokamax_reason"),
                          [("rl", "log-probability"), ("distill", "distillation"), ("distill_dense", "distillation")])
 def test_rl_and_distill_objectives_run_and_match_their_oracles(tmp_path: Path, objective: str,

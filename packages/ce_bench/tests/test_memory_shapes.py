@@ -35,6 +35,7 @@ def test_a_malformed_memory_shape_is_a_usage_error(capsys: pytest.CaptureFixture
     assert "--memory-shapes: malformed shape '12x3'" in capsys.readouterr().err.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_memory_shapes_are_compiled_not_run_and_compared_with_the_reference(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     json_path = tmp_path / "run.json"

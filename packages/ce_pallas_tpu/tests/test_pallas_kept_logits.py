@@ -63,7 +63,7 @@ def _oracle(x, labels, w, layout: str, options: dict, weights, temperature):
     temperature=("none", "scalar", "per_token"),
     dtype=("float32", "bfloat16"),
     chunk=(16, 24, 4096),
-    fast=4,
+    fast=2,
 )
 def test_kept_logits_matches_the_oracle(interpret, monkeypatch, target, layout, reduction, extras, temperature, dtype,
                                         chunk):

@@ -186,7 +186,8 @@ def test_garbage_in_dead_rows_reaches_no_output(order, reduction, rows):
     assert max_rel_error(dx, dx_ref) <= 1e-4  # 0 at the dead rows, as the reference's
 
 
-@pytest.mark.covering(axis_type=("Explicit", "Auto"), mesh_shape=((2, 1), (2, 2)), pattern=("uneven", "one_per_shard"))
+@pytest.mark.covering(axis_type=("Explicit", "Auto"), mesh_shape=((2, 1), (2, 2)), pattern=("uneven", "one_per_shard"),
+                      fast=2)
 def test_shards_with_different_live_counts_match_float64(mesh_shape, axis_type, pattern):
     """Data shards skip their own dead tokens (different counts, or one live token each); vocab shards agree."""
     axis = getattr(jax.sharding.AxisType, axis_type)
