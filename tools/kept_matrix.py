@@ -109,6 +109,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
                                                        plan.backward.block_v],
                                     "backward_cores": plan.backward.num_cores,
                                     "backward_x_transposed": plan.backward.x_transposed,
+                                    "backward_label_rows": plan.backward.label_rows,
                                     "pieces": list(plan.pieces)}
             # The forward once a chunk, the backward once a piece of each chunk in its call's role (the float32 dw
             # started, added onto, ended differently), and the middle role of each piece's rows: a stand-in for the
@@ -134,9 +135,12 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     data.setdefault("environment", environment())
     kernels = data.setdefault("kernels", {}).setdefault(gen, [])
     if not args.only_recompute and set(tokens) == set(TOKENS):  # earlier plans' kept records (other chunks): stale
-        current = [dataclasses.asdict(job) for job in jobs + kept_jobs]
+        # As JSON: a job's tiles are a tuple here and a list in the records (compared raw, a forward that
+        # --kept-backward-only kept was dropped as stale).
+        current = {json.dumps(dataclasses.asdict(job), sort_keys=True) for job in jobs + kept_jobs}
         measured = {(h, v) for _, h, v in heads(args.heads)}
-        kernels[:] = [old for old in kernels if not old["job"]["keep_logits"] or old["job"] in current
+        kernels[:] = [old for old in kernels if not old["job"]["keep_logits"]
+                      or json.dumps(old["job"], sort_keys=True) in current
                       or (old["job"]["h"], old["job"]["v"]) not in measured]
     for job, record in zip(jobs, records, strict=True):
         entry = {"job": dataclasses.asdict(job), **record.to_json()}
@@ -404,6 +408,15 @@ def rows() -> list[dict]:
             row["pre_27cad1a_xla_dw_ms"] = dw_bytes / chip.hbm_bytes_per_s * 1e3
             row["kept_xla_dx_ms"] = dx_bytes / chip.hbm_bytes_per_s * 1e3
             row["kept_xla_ms"] = row["kept_xla_dx_ms"]
+            if plan.get("backward_label_rows"):  # the label's term by rows: its XLA work once a backward call
+                measured = data.get("label_rows_xla", {}).get(gen, {}).get(name)
+                if measured is None:
+                    row["kept_errors"] = [*row["kept_errors"], "label rows' XLA work not measured (label_rows_xla.py)"]
+                else:
+                    calls_rows = sum(count * rows for rows, _, count in calls)  # every call's rows, all chunks
+                    row["kept_xla_label_rows_ms"] = (measured["cycles"] * calls_rows / measured["rows"]
+                                                     / chip.clock_hz * 1e3)
+                    row["kept_xla_ms"] += row["kept_xla_label_rows_ms"]
             if fm is not None and bm is not None and fwd is not None and bwd is not None:
                 row["kept_fwd_ms_chunk"], row["kept_bwd_ms_chunk"] = fm, bm
                 row["kept_bwd_hbm_bound"] = bwd["hbm_floor_us"] > bwd["kernel_us"]

@@ -268,6 +268,57 @@ def test_hidden_tiles_with_and_without_delta_over_the_logits_match_one_tile_exac
     assert not np.any(dx[labels == -100])
 
 
+@pytest.mark.covering(target=("v6e", "v5p", "v5e"), dtype=("bfloat16", "float32"),
+                      extras=("weights", "plain", "z_loss+smoothing", "soft_cap"), chunk=(24, 4096), split=(1, 2),
+                      fast=1)
+def test_the_label_term_by_rows_gives_the_per_logit_terms_gradients(interpret, monkeypatch, target, dtype, extras,
+                                                                     chunk, split):
+    """``label_rows`` (a ``[V, H]`` head's label term added by rows: ``dw``'s in the kernel, ``dx``'s beside it)
+    against the term per logit: the same loss and gradients up to the order of float32 sums (bf16 gradients bit
+    for bit, bar a rounding that flips), and the float64 oracle's; ignored labels, signed and zero weights, V and
+    N ragged, several chunks or one, the hidden size whole or in two tiles (v5p and v6e: ``delta`` formed by the
+    first, over the kept logits), one core or two (v5p), race-checked."""
+    from ce_pallas_tpu.target import CHIP_FACTS
+
+    interpret(target)
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", chunk)
+    monkeypatch.setattr(kept_logits, "HIDDEN_SPLIT", split)
+    n, h, v = 45, 200 if split == 1 else 256, 700
+    x, labels, w = _problem(7 + len(extras), n, h, v, "vh", dtype)
+    sizes = BlockSizes(16, None, 256)
+    options: dict = dict(w_layout="vh", block_sizes=sizes, temperature=0.7)
+    if extras == "z_loss+smoothing":
+        options.update(logsumexp_weight=1e-3, label_smoothing=0.1)
+    if extras == "soft_cap":
+        options.update(logit_soft_cap=3.0)
+    weights = None
+    if extras == "weights":
+        weights = np.random.default_rng(n).uniform(-1.0, 2.0, n).astype(np.float32)
+        weights[::7] = 0.0
+    results = {}
+    for by_rows in (False, True):
+        monkeypatch.setitem(CHIP_FACTS, target, dataclasses.replace(CHIP_FACTS[target], kept_label_rows=by_rows))
+        plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec(w_layout="vh", block_sizes=sizes))
+        assert plan.backward.label_rows == by_rows and plan.backward.nv == 3 and plan.backward.hidden_split == split
+        jax.clear_caches()
+        loss, grads = _value_and_grads(x, labels, w, keep_logits=True, options=options, weights=weights)
+        results[by_rows] = [np.asarray(a, np.float32) for a in (loss, *grads)]
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    for name, rows, per_logit in zip(("loss", "dx", "dw"), results[True], results[False], strict=True):
+        if dtype == "float32":
+            assert max_rel_error(rows, per_logit) <= 1e-5, name
+        else:
+            assert np.all(np.abs(rows - per_logit) <= 2.0**-7 * np.abs(per_logit)
+                          + 2.0**-16 * np.max(np.abs(per_logit))), name
+    loss, dx, dw = results[True]
+    expected = _oracle(x, labels, w, "vh", options, weights, 0.7)
+    loss_tol, grad_tol = TOLERANCES[dtype]
+    assert max_rel_error(loss, expected["loss"]) <= loss_tol
+    assert max_rel_error(dx, expected["dx"]) <= grad_tol
+    assert max_rel_error(dw, expected["dw"]) <= grad_tol
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("n,h,split", [(330, 200, 1), (230, 512, 2)])
 def test_the_kept_backward_with_x_transposed_matches_it_untransposed(interpret, monkeypatch, n, h, split):
@@ -732,6 +783,26 @@ def test_a_wide_heads_kept_path_compiles_in_hidden_tiles(generation, h):
     assert plan.backward.hidden_split > 1 and plan.chunks >= 3  # first, middle and last kernels
     recompute = compile_loss_and_grads(generation, n, h, v, keep_logits=False)
     kept = compile_loss_and_grads(generation, n, h, v, keep_logits=True)
+    assert recompute.temp_bytes is not None and kept.temp_bytes is not None
+    extra = kept.temp_bytes - recompute.temp_bytes
+    assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
+
+
+@pytest.mark.slow
+def test_v6e_adds_a_tied_heads_label_term_by_rows_and_compiles():
+    """v6e's plan for a tied ``[V, H]`` head (Qwen3-0.6B's width, a quarter of its vocabulary) adds the label's term
+    by rows (``label_rows``: SMEM operands and a loop per vocab block in the backward), and ``value_and_grad``
+    over two chunks compiles for v6e within the kept path's memory: the recompute step's plus the plan's extra
+    bytes (the rows' sorting and ``dx``'s float32 share among them) and a bf16 ``dx``."""
+    from ce_pallas_tpu.target import targeting
+    from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
+
+    n, h, v, bf16 = 8192, 1024, 37984, jnp.bfloat16
+    with targeting("v6e"):
+        plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, StatsSpec(w_layout="vh"))
+    assert plan.backward.label_rows and plan.chunks >= 2
+    recompute = compile_loss_and_grads("v6e", n, h, v, keep_logits=False, w_layout="vh")
+    kept = compile_loss_and_grads("v6e", n, h, v, keep_logits=True, w_layout="vh")
     assert recompute.temp_bytes is not None and kept.temp_bytes is not None
     extra = kept.temp_bytes - recompute.temp_bytes
     assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)

@@ -49,6 +49,7 @@ from ce_core.extend import vary_like
 from ce_pallas_tpu import cost_model, tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
+from ce_pallas_tpu.label_rows import label_rows
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.ops import (
     Plan,
@@ -171,13 +172,14 @@ class KeptPlan:
         """HBM this path holds beyond the recompute path's: one chunk's kept logits (every chunk's forward
         writes into the same buffer, :func:`row_stats_and_grads`), (over several backward calls) the float32
         running dw, and where the backward takes them the chunk's ``x`` transposed and padded (counted as
-        float32: a bf16 ``x`` holds half) and the float32 zero block its first call's ``dw`` slots are read
-        from."""
+        float32: a bf16 ``x`` holds half), the float32 zero block its first call's ``dw`` slots are read
+        from, and with :attr:`BackwardConfig.label_rows` a chunk's sorted rows and float32 share of ``dx``."""
         b = self.backward
         running = math.prod(self.running_dw_shape) if self.backward_calls > 1 else 0
         x_transposed = b.padded_n * b.hp if b.x_transposed else 0
         zeros = math.prod(b.dw_acc_shape) if b.dw_zeros_by_dma else 0
-        return 4 * (math.prod(self.logits_shape) + running + x_transposed + zeros)
+        label_rows = self.chunk * (b.hidden + 3) + b.nv + 1 if b.label_rows else 0
+        return 4 * (math.prod(self.logits_shape) + running + x_transposed + zeros + label_rows)
 
 
 def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
@@ -596,7 +598,9 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
                               x_transposed=facts is not None and facts.kept_x_transposed
                               and base.backward.w_layout == "hv",
                               dw_zeros_by_dma=facts is not None and facts.kept_dw_zeros_by_dma,
-                              cotangent_in_exponent=not base.backward.with_expected)
+                              cotangent_in_exponent=not base.backward.with_expected,
+                              label_rows=facts is not None and facts.kept_label_rows and not base.backward.with_expected
+                              and base.backward.w_layout == "vh")
     if cfg.hidden_tile % cfg.block_h:
         cfg = dataclasses.replace(cfg, block_h=cfg.hidden_tile)
     if not explicit:
@@ -688,9 +692,11 @@ def row_stats_and_grads(
             part = functools.partial(jax.lax.slice_in_dim, start_index=offset, limit_index=offset + cfg.n)
             x_p, y_p, s_p, live_p = (None if a is None else part(a) for a in (x_c, y_c, s_c, live_c))
             stats_p, cotangent_p = jax.tree.map(part, stats_c), jax.tree.map(part, cotangent)
-            dx_partials, dw, logits, sign = _backward(x_p, w, y_p, s_p, stats_p, cotangent_p, logits, dw, cfg,
-                                                      live_p)
+            dx_partials, dw, logits, sign, dx_share = _backward(x_p, w, y_p, s_p, stats_p, cotangent_p, logits, dw,
+                                                                cfg, live_p)
             dx_p = merged_dx(dx_partials, cfg.n, h, live_p)
+            if dx_share is not None:
+                dx_p = dx_p + dx_share
             dx_pieces.append(dx_p if sign is None else sign * dx_p)
             offset += cfg.n
         # The next chunk's forward writes into this buffer: only once this backward has read it (without
@@ -728,8 +734,9 @@ def row_stats_and_grads(
 def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, cfg: BackwardConfig,
               live: jax.Array | None):
     """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's, the
-    logits' buffer as the kernel leaves it, the rows' sign that dx takes or None)``; dead rows (``live``
-    false) made inert, dead token blocks skipped."""
+    logits' buffer as the kernel leaves it, the rows' sign that dx takes or None, the label term's share of dx
+    with :attr:`BackwardConfig.label_rows` or None)``; dead rows (``live`` false) made inert, dead token blocks
+    skipped."""
 
     def column(g: jax.Array | None) -> jax.Array | None:
         return None if g is None else g.astype(jnp.float32).reshape(-1, 1)
@@ -741,14 +748,17 @@ def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, ru
         expected, g_expected = column(expected_rows), column(cotangent.expected)
     lse, g_lse, g_label = column(lse), column(cotangent.lse), column(cotangent.label)
     assert lse is not None and g_lse is not None and g_label is not None
-    sign = None
+    sign = rows = dx_share = None
     if cfg.cotangent_in_exponent:
         lse, sign = fold_cotangent(lse, g_lse)
         g_label, g_sum = sign * g_label, None if g_sum is None else sign * g_sum
         x_c = sign.astype(x_c.dtype) * x_c
+    if cfg.label_rows:
+        rows, dx_share = label_rows(logits, w, y_c, lse, g_label, g_sum, s_c, cfg)
     dx_partials, dw, logits = backward_call(x_c, w, y_c, lse, g_lse, g_label, g_sum, expected, g_expected, cfg,
-                                            s_c, kept=(logits, running_dw), live_blocks=live_blocks(live, cfg.block_b))
-    return dx_partials, dw, logits, sign
+                                            s_c, kept=(logits, running_dw), live_blocks=live_blocks(live, cfg.block_b),
+                                            label_rows=rows)
+    return dx_partials, dw, logits, sign, dx_share
 
 
 def fold_cotangent(lse: jax.Array, g_lse: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -85,6 +85,12 @@ class ChipFacts:
     #: Whether the kept backward's first chunk (or only one) fills its ``dw`` slots with zeros by DMA
     #: (:attr:`ce_pallas_tpu.backward.BackwardConfig.dw_zeros_by_dma`) instead of a vector pass.
     kept_dw_zeros_by_dma: bool = False
+    #: The kept backward of a ``[V, H]`` head adds the label's term by rows, not per logit
+    #: (:attr:`ce_pallas_tpu.backward.BackwardConfig.label_rows`), where the schedule measured a gain. v6e, bf16,
+    #: 4096-token chunks, backward over its MXU minimum (one chunk): Qwen2.5-0.5B 1.322 -> 1.240, Qwen3-0.6B
+    #: 1.242 -> 1.171, Qwen2.5-1.5B 1.225 -> 1.164, Gemma-2 2B 1.122 -> 1.074 (docs/notes/2026-12-03-label-rows.md).
+    #: v5e and v5p, whose narrow heads meet their goals, not measured: off.
+    kept_label_rows: bool = False
 
     @property
     def flops_per_byte(self) -> float:
@@ -100,7 +106,8 @@ CHIP_FACTS: dict[str, ChipFacts] = {
     "v5p": ChipFacts(2, 64 * _MIB, 95 * 1024 * _MIB, 229.5e12, 1.38e12, delta_over_logits=True,
                      kept_x_transposed=True),
     "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256, delta_columns=320.0,
-                     delta_over_logits=True, kept_x_transposed=True, kept_dw_zeros_by_dma=True),
+                     delta_over_logits=True, kept_x_transposed=True, kept_dw_zeros_by_dma=True,
+                     kept_label_rows=True),
     # TPU7x (Ironwood): each TensorCore is a device of its own, with 64 MiB of VMEM and half the chip's HBM.
     "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12, mxu_side=256, forward_work_tiles=8.0),
     "default": ChipFacts(1, 16 * _MIB, 16 * 1024 * _MIB, 200e12, 0.8e12),

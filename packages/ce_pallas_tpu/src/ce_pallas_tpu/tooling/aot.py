@@ -73,7 +73,8 @@ def compile_loss_and_grads(
     raise_errors: bool = True,
     **options: Any,
 ) -> CompileResult:
-    """Compile ``value_and_grad`` of the mean loss w.r.t. ``x`` and ``w`` for ``generation``.
+    """Compile ``value_and_grad`` of the mean loss w.r.t. ``x`` and ``w`` for ``generation`` (``w`` ``[V, H]`` with
+    ``w_layout="vh"`` among ``options``, else ``[H, V]``).
 
     With ``raise_errors=False`` a failed compile is a result (``ok=False`` and the error's first line).
     """
@@ -89,7 +90,7 @@ def compile_loss_and_grads(
 
             args = (
                 jax.ShapeDtypeStruct((n, h), dtype, sharding=sharding),
-                jax.ShapeDtypeStruct((h, v), dtype, sharding=sharding),
+                jax.ShapeDtypeStruct((v, h) if options.get("w_layout") == "vh" else (h, v), dtype, sharding=sharding),
                 jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding),
             )
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()

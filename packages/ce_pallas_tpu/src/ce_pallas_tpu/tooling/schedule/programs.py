@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ce_pallas_tpu.backward import BackwardConfig, backward_call
+from ce_pallas_tpu.backward import BackwardConfig, LabelRows, backward_call
 from ce_pallas_tpu.common import KernelConfig, LiveBlocks
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
 from ce_pallas_tpu.layout import cdiv
@@ -63,6 +63,15 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
     return cfg
 
 
+def spread_label_rows(cfg: BackwardConfig) -> LabelRows:
+    """:attr:`BackwardConfig.label_rows`' rows of a call whose ``N`` labels fall evenly over its vocab blocks
+    (constants of the program, so that the static profile walks each block's share of them)."""
+    first = jnp.arange(cfg.nv + 1, dtype=jnp.int32) * cfg.n // cfg.nv
+    entry = jnp.arange(cfg.n, dtype=jnp.int32)
+    return LabelRows(first=first, token=entry * 7919 % cfg.n, row=entry * 97 % cfg.block_v,
+                     coefficient=jnp.full((cfg.n,), -1e-4, jnp.float32))
+
+
 def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str, sharding: jax.sharding.Sharding,
                    live_blocks: int | None = None) -> tuple[Callable[..., Any], tuple[jax.ShapeDtypeStruct, ...]]:
     """``(fn, operands)``: ``jax.jit(fn).lower(*operands)`` compiles just that kernel for ``cfg``.
@@ -104,6 +113,6 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str, s
         expected, g_expected = (rest.pop(0), rest.pop(0)) if cfg.with_expected else (None, None)
         kept_in = (rest.pop(0), rest.pop(0) if rest else None) if kept else None
         return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, kept=kept_in,
-                             live_blocks=blocks)
+                             live_blocks=blocks, label_rows=spread_label_rows(cfg) if cfg.label_rows else None)
 
     return backward, (x, w, labels, *columns, *kept_operands)

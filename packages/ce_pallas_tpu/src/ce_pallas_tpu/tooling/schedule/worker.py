@@ -9,11 +9,13 @@ static profile read back (:mod:`.dumps`) and fitted, and the result scaled to th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +52,30 @@ def _compile(job: Job, cfg: Any, device: Any) -> None:
 #: Traces of small grids already compiled in this process, by kernel, dtypes and small-grid config: jobs
 #: that differ only in how many blocks they have (N = 4096 and 16384 with the same tiles and the
 #: same ragged last block) compile the very same small grids, so the second one is free.
-_TRACES: dict[tuple[str, str, str, Any], Any] = {}
+_TRACES: dict[tuple[str, str, str, Any, int], Any] = {}
 
 
-def _measure_grid(job: Job, cfg: Any, device: Any, profile_dir: Path):
-    key = (job.kernel, job.x_dtype, job.w_dtype, cfg)  # the config holds no dtypes
+def _measure_grid(job: Job, cfg: Any, device: Any, profile_dir: Path, label_rows_per_block: int = 0):
+    key = (job.kernel, job.x_dtype, job.w_dtype, cfg, label_rows_per_block)  # the config holds no dtypes
     if key not in _TRACES:
-        _TRACES[key] = _trace_grid(job, cfg, device, profile_dir)
+        with _static_label_rows(label_rows_per_block):
+            _TRACES[key] = _trace_grid(job, cfg, device, profile_dir)
     return _TRACES[key]
+
+
+@contextlib.contextmanager
+def _static_label_rows(per_block: int) -> Iterator[None]:
+    """A kept backward with ``label_rows`` adds each vocab block's labelled rows in a loop whose bounds it reads
+    from SMEM, which libtpu's static profiler does not read (it walks no iteration). For the schedule each block
+    walks ``per_block`` rows instead: the full-size call's labels spread evenly over its vocab blocks."""
+    from ce_pallas_tpu import backward
+
+    original = backward._label_row_range
+    backward._label_row_range = lambda refs, block: (0, per_block)
+    try:
+        yield
+    finally:
+        backward._label_row_range = original
 
 
 def _trace_grid(job: Job, cfg: Any, device: Any, profile_dir: Path):
@@ -108,7 +126,9 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
     try:
         cfg = _config(job)
         points = grid_points(cfg)
-        traces = {point: _measure_grid(job, small_grid(cfg, *point), device, profile_dir) for point in points}
+        per_block = -(-cfg.n // cfg.nv) if getattr(cfg, "label_rows", False) else 0
+        traces = {point: _measure_grid(job, small_grid(cfg, *point), device, profile_dir, per_block)
+                  for point in points}
     except Exception as error:
         message = str(error).strip()
         record.error = f"{type(error).__name__}: {message.splitlines()[0][:300] if message else ''}"

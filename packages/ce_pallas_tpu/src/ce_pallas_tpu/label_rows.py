@@ -1,0 +1,62 @@
+"""The label's term of the kept backward by rows (:attr:`ce_pallas_tpu.backward.BackwardConfig.label_rows`).
+
+The logit cotangent of a scalar loss has one term per row at its label's column, ``delta[r, y_r] += g_label[r]``.
+Formed in the kernel it costs a compare and a select per logit, and v6e's narrow heads are bound by such
+vector work. By rows instead, the kernel forms ``delta`` without it and each labelled row adds its share ``c``
+to the two products: onto ``dw``'s row ``y`` inside the kernel (on the float32 tile, before ``dw`` is rounded to
+``w``'s dtype: :func:`ce_pallas_tpu.backward._add_label_rows`) and onto ``dx`` here (``c w[y]``, float32).
+
+``c`` is the difference the term makes to that entry of ``delta`` as the kernel rounds it for the products,
+``round(d + g_label) - round(d)`` with ``d`` the entry without the term, so ``dx`` and ``dw`` are those of the
+kernel with the term, up to the order of float32 sums (and where XLA's ``exp`` and the kernel's differ in the last
+bit of ``d``, a rounding of that one entry).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ce_pallas_tpu import common
+from ce_pallas_tpu.backward import BackwardConfig, LabelRows
+
+
+def label_rows(logits: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array, g_label: jax.Array,
+               g_sum: jax.Array | None, row_scale: jax.Array | None,
+               cfg: BackwardConfig) -> tuple[LabelRows, jax.Array]:
+    """``(the kernel's LabelRows, dx's share float32 [n, H])`` of one backward call's rows.
+
+    ``logits`` is the kept buffer (the call's rows from block ``cfg.logits_row_block``), ``w`` the ``[V, H]`` head;
+    ``labels`` (int32), ``lse`` (with ``|g_lse|`` folded in), the signed ``g_label`` and ``g_sum`` and ``row_scale``
+    are ``[n, 1]`` columns as the kernel takes them. Rows whose term is 0 (ignored, dead, zero-weighted) are left
+    out."""
+    n, dtype = cfg.n, common.mxu_dtype(cfg.precision)
+    label = labels[:, 0]
+    counted = (label >= 0) & (label < cfg.v) & (g_label[:, 0] != 0)
+    column = jnp.where(counted, label, 0)
+    raw = logits[cfg.logits_row_block * cfg.block_b + jnp.arange(n), column]
+    # The kernel's delta at the entry, in its order of operations (:func:`ce_pallas_tpu.backward._logit_cotangent`).
+    z, t = common.soft_cap(raw, cfg.logit_soft_cap)
+    if row_scale is not None:
+        z = row_scale[:, 0] * z
+    without = jnp.exp(z - lse[:, 0])
+    with_term = without + g_label[:, 0]
+    if g_sum is not None:
+        with_term, without = with_term + g_sum[:, 0], without + g_sum[:, 0]
+    if t is not None:
+        with_term, without = with_term * (1.0 - t * t), without * (1.0 - t * t)
+    if row_scale is not None:
+        with_term, without = with_term * row_scale[:, 0], without * row_scale[:, 0]
+    share = with_term.astype(dtype).astype(jnp.float32) - without.astype(dtype).astype(jnp.float32)
+    share = jnp.where(counted & (share != 0), share, 0.0)
+
+    # Sorted by label, the rows without a term last (past every block's end); block b's rows start at first[b].
+    end = cfg.nv * cfg.block_v
+    key = jnp.where(share != 0, column, end)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_key = key[order]
+    first = jnp.searchsorted(sorted_key, jnp.arange(cfg.nv + 1, dtype=jnp.int32) * cfg.block_v).astype(jnp.int32)
+    rows = LabelRows(first=first, token=order, row=(sorted_key % cfg.block_v).astype(jnp.int32),
+                     coefficient=share[order])
+    dx_share = share[:, None] * jnp.take(w, column, axis=0).astype(jnp.float32)
+    return rows, dx_share
