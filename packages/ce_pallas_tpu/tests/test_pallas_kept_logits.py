@@ -275,9 +275,9 @@ def test_the_label_term_by_rows_gives_the_per_logit_terms_gradients(interpret, m
                                                                      chunk, split):
     """``label_rows`` (a ``[V, H]`` head's label term added by rows: ``dw``'s in the kernel, ``dx``'s beside it)
     against the term per logit: the same loss and gradients up to the order of float32 sums (bf16 gradients bit
-    for bit, bar a rounding that flips), and the float64 oracle's; ignored labels, signed and zero weights, V and
-    N ragged, several chunks or one, the hidden size whole or in two tiles (v5p and v6e: ``delta`` formed by the
-    first, over the kept logits), one core or two (v5p), race-checked."""
+    for bit, bar a few roundings that flip), and the float64 oracle's; ignored labels, a label a third of the rows
+    share, signed and zero weights, V and N ragged, several chunks or one, the hidden size whole or in two tiles
+    (v5p and v6e: ``delta`` formed by the first, over the kept logits), one core or two (v5p), race-checked."""
     from ce_pallas_tpu.target import CHIP_FACTS
 
     interpret(target)
@@ -285,6 +285,7 @@ def test_the_label_term_by_rows_gives_the_per_logit_terms_gradients(interpret, m
     monkeypatch.setattr(kept_logits, "HIDDEN_SPLIT", split)
     n, h, v = 45, 200 if split == 1 else 256, 700
     x, labels, w = _problem(7 + len(extras), n, h, v, "vh", dtype)
+    labels = np.where(np.arange(n) % 3 == 1, 300, labels)  # a frequent token: a third of the rows add to one row
     sizes = BlockSizes(16, None, 256)
     options: dict = dict(w_layout="vh", block_sizes=sizes, temperature=0.7)
     if extras == "z_loss+smoothing":
@@ -308,9 +309,11 @@ def test_the_label_term_by_rows_gives_the_per_logit_terms_gradients(interpret, m
     for name, rows, per_logit in zip(("loss", "dx", "dw"), results[True], results[False], strict=True):
         if dtype == "float32":
             assert max_rel_error(rows, per_logit) <= 1e-5, name
-        else:
-            assert np.all(np.abs(rows - per_logit) <= 2.0**-7 * np.abs(per_logit)
-                          + 2.0**-16 * np.max(np.abs(per_logit))), name
+        else:  # bf16: bit for bit but where XLA's entry without the term and the kernel's differ in the last bit and
+            # its rounding to bf16 flips (an ulp of that entry times the label's row of w or x), or an output's does
+            differs = rows != per_logit
+            assert np.mean(differs) <= 0.02, (name, np.mean(differs))
+            assert max_rel_error(rows, per_logit) <= 2.0**-7, name
     loss, dx, dw = results[True]
     expected = _oracle(x, labels, w, "vh", options, weights, 0.7)
     loss_tol, grad_tol = TOLERANCES[dtype]
