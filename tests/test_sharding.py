@@ -227,7 +227,7 @@ def _make_mesh(axis_type, shape=(2, 4)):
 
 
 @pytest.mark.covering(axis_type=(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto), call=("jit", "eager"),
-                      fast=2)
+                      fast=1)
 def test_wrapper_takes_a_make_mesh_mesh_and_ordinary_arrays(backend_name, axis_type, call):
     mesh = _make_mesh(axis_type)
     loss_fn = functools.partial(sharded_linear_cross_entropy, mesh=mesh, vocab_axis="vocab")
