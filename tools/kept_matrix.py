@@ -144,7 +144,8 @@ def cmd_kernels(args: argparse.Namespace) -> None:
                       or (old["job"]["h"], old["job"]["v"]) not in measured]
     for job, record in zip(jobs, records, strict=True):
         entry = {"job": dataclasses.asdict(job), **record.to_json()}
-        kernels[:] = [old for old in kernels if old["job"] != entry["job"]] + [entry]
+        key = json.dumps(entry["job"], sort_keys=True)  # as JSON: tiles are a tuple here, a list in the records
+        kernels[:] = [old for old in kernels if json.dumps(old["job"], sort_keys=True) != key] + [entry]
     data.setdefault("plans", {}).setdefault(gen, {}).update(plans)
     data.setdefault("runs", []).append({"command": " ".join(sys.argv), "gen": gen, "jobs": len(jobs),
                                         "wall_s": round(time.time() - start, 1), "commit": commit(),

@@ -51,9 +51,10 @@ def measure(gen: str, names: list[str], tokens: int) -> dict[str, dict]:
                 return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
             column = operand((cfg.n, 1), jnp.float32)
-            args = (operand(plan.logits_shape, jnp.float32), operand((v, h), jnp.bfloat16),
-                    operand((cfg.n, 1), jnp.int32), column, column)
-            program = jax.jit(lambda lg, w, y, lse, g, cfg=cfg: label_rows(lg, w, y, lse, g, None, None, cfg))
+            logits = operand(plan.logits_shape, jnp.bfloat16 if cfg.kept_bf16 else jnp.float32)
+            maxima = None if plan.maxima_shape is None else operand(plan.maxima_shape, jnp.float32)
+            args = (logits, operand((v, h), jnp.bfloat16), operand((cfg.n, 1), jnp.int32), column, column, maxima)
+            program = jax.jit(lambda lg, w, y, lse, g, m, cfg=cfg: label_rows(lg, w, y, lse, g, None, None, cfg, m))
             program.lower(*args).compile()
         cycles = sum(p.cycles * p.equivalents for p in read_op_profiles(profiles_dir))
         found[name] = {"rows": cfg.n, "h": h, "v": v, "cycles": cycles}

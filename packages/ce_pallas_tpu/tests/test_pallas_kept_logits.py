@@ -739,7 +739,7 @@ def test_the_default_compiles_and_holds_only_the_chunk_and_the_float32_dw(genera
     assert plan is not None and plan.chunks > 1 and plan.extra_bytes <= budget
     extra = default.temp_bytes - recompute.temp_bytes
     # At least the chunk's logits; at most those, the running dw and a bf16 dx beside the recompute's buffers.
-    assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
+    assert plan.logits_shape[0] * plan.kept_row_bytes <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
     # Under the float32 logits a materialised step holds alone (4.2 GB; the float32 dw is 2.1 GB of these 3.0).
     assert default.temp_bytes < 4 * n * v
 
@@ -788,15 +788,16 @@ def test_a_wide_heads_kept_path_compiles_in_hidden_tiles(generation, h):
     kept = compile_loss_and_grads(generation, n, h, v, keep_logits=True)
     assert recompute.temp_bytes is not None and kept.temp_bytes is not None
     extra = kept.temp_bytes - recompute.temp_bytes
-    assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
+    assert plan.logits_shape[0] * plan.kept_row_bytes <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
 
 
 @pytest.mark.slow
 def test_v6e_adds_a_tied_heads_label_term_by_rows_and_compiles():
     """v6e's plan for a tied ``[V, H]`` head (Qwen3-0.6B's width, a quarter of its vocabulary) adds the label's term
-    by rows (``label_rows``: SMEM operands and a loop per vocab block in the backward), and ``value_and_grad``
-    over two chunks compiles for v6e within the kept path's memory: the recompute step's plus the plan's extra
-    bytes (the rows' sorting and ``dx``'s float32 share among them) and a bf16 ``dx``."""
+    by rows (``label_rows``: SMEM operands and a loop per vocab block in the backward) and keeps its logits in bf16
+    below their lanes' maxima (``kept_bf16``: Mosaic lowers both kernels' forms), and ``value_and_grad`` over two
+    chunks compiles for v6e within the kept path's memory: the recompute step's plus the plan's extra bytes (the
+    rows' sorting and ``dx``'s float32 share among them, the bf16 logits and their maxima) and a bf16 ``dx``."""
     from ce_pallas_tpu.target import targeting
     from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
 
@@ -804,8 +805,68 @@ def test_v6e_adds_a_tied_heads_label_term_by_rows_and_compiles():
     with targeting("v6e"):
         plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, StatsSpec(w_layout="vh"))
     assert plan.backward.label_rows and plan.chunks >= 2
+    assert plan.forward.kept_bf16 and plan.backward.kept_bf16 and plan.maxima_shape is not None
     recompute = compile_loss_and_grads("v6e", n, h, v, keep_logits=False, w_layout="vh")
     kept = compile_loss_and_grads("v6e", n, h, v, keep_logits=True, w_layout="vh")
     assert recompute.temp_bytes is not None and kept.temp_bytes is not None
     extra = kept.temp_bytes - recompute.temp_bytes
-    assert 4 * math.prod(plan.logits_shape) <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
+    assert plan.logits_shape[0] * plan.kept_row_bytes <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
+
+
+@pytest.mark.covering(layout=("hv", "vh"), extras=("plain", "z_loss+smoothing", "weights"),
+                      tiles=("explicit", "default", "wider_backward", "wider_forward"), fast=1)
+def test_bf16_kept_logits_below_their_lane_maxima_are_as_accurate_as_float32_ones(interpret, monkeypatch, layout,
+                                                                                  extras, tiles):
+    """v6e keeps a narrow head's logits of bf16 inputs in bf16 below each lane's maximum over the forward's vocab
+    block (:attr:`ce_pallas_tpu.forward.ForwardConfig.kept_bf16`). Logits of standard deviation 4 (where bf16 as
+    they are errs 10 times more, docs/notes/2026-12-02-kept-logits-in-bf16.md), ragged in N, V (a last block whose
+    later lanes hold no column before V) and H, per-token temperatures, several chunks, the label's term by rows
+    (a ``[V, H]`` head): ``dx`` and ``dw`` against the float64 oracle as close as the float32 store's (equal in
+    every row when written), race-checked. Explicit tiles take vocab blocks of 128 in both kernels, default ones
+    2048; ``wider_backward`` halves the forward's (a backward step reads two blocks' lane maxima, as v6e's plans
+    for Qwen3-0.6B and Qwen2.5-0.5B do), ``wider_forward`` the backward's (two steps read one block's). A
+    soft-capped head keeps float32 logits (:func:`ce_pallas_tpu.kept_logits._kept_in_bf16`)."""
+    from ce_pallas_tpu.forward import forward_call
+    from ce_pallas_tpu.target import CHIP_FACTS
+
+    interpret("v6e")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 32)
+    n, h, v = 45, 200, 300 if tiles == "explicit" else 2200  # default tiles: one block of 300, not whole lanes
+    halved = {"wider_backward": "_fit_forward", "wider_forward": "_fit_backward"}.get(tiles)
+    if halved is not None:
+        fit = getattr(kept_logits, halved)
+        monkeypatch.setattr(kept_logits, halved, lambda *args, **kwargs: dataclasses.replace(
+            fit(*args, **kwargs), block_v=fit(*args, **kwargs).block_v // 2))
+    x, labels, w = _problem(n + len(extras), n, h, v, layout, "bfloat16")
+    x = (4.0 * x.astype(jnp.float32) / jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32) @ (
+        w.T if layout == "vh" else w).astype(jnp.float32))))).astype(jnp.bfloat16)
+    options: dict = dict(w_layout=layout)
+    if tiles == "explicit":
+        options["block_sizes"] = BlockSizes(16, None, 128)
+    if extras == "z_loss+smoothing":
+        options.update(logsumexp_weight=1e-3, label_smoothing=0.1)
+    rng = np.random.default_rng(n)
+    weights = None
+    if extras == "weights":
+        weights = rng.uniform(-1.0, 2.0, n).astype(np.float32)
+        weights[::7] = 0.0
+    t = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    options["temperature"] = jnp.asarray(t)
+    kept_configs: list = []
+    monkeypatch.setattr(kept_logits, "forward_call",
+                        lambda *args, **kwargs: kept_configs.append(args[3]) or forward_call(*args, **kwargs))
+    expected = _oracle(x, labels, w, layout, options, weights, t)
+    errors = {}
+    for in_bf16 in (True, False):
+        monkeypatch.setitem(CHIP_FACTS, "v6e", dataclasses.replace(CHIP_FACTS["v6e"], kept_logits_bf16=in_bf16))
+        kept_configs.clear()
+        jax.clear_caches()
+        loss, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=options, weights=weights)
+        assert kept_configs and all(cfg.kept_bf16 == in_bf16 for cfg in kept_configs), kept_configs
+        assert max_rel_error(loss, expected["loss"]) <= TOLERANCES["bfloat16"][0]
+        errors[in_bf16] = (max_rel_error(dx.astype(jnp.float32), expected["dx"]),
+                           max_rel_error(dw.astype(jnp.float32), expected["dw"]))
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    for below_maxima, as_float32 in zip(errors[True], errors[False], strict=True):
+        assert below_maxima <= 1.05 * as_float32 + 1e-6, errors

@@ -122,6 +122,12 @@ class BackwardConfig(common.KernelConfig):
     #: caller adds: :func:`ce_pallas_tpu.label_rows.label_rows`). v6e, Qwen3-0.6B's kept backward (a call of one
     #: 4096-token chunk): 1.242 -> 1.171 of its MXU minimum.
     label_rows: bool = False
+    #: Kept-logits mode, the hidden size whole: the kept logits are bf16 below their lanes' maxima
+    #: (:attr:`ce_pallas_tpu.forward.ForwardConfig.kept_bf16`), which the call reads beside them; ``kept_block_v``
+    #: is the forward's vocab block (one lane maximum per row, lane and such block), a multiple or a divisor of
+    #: ``block_v``.
+    kept_bf16: bool = False
+    kept_block_v: int = 0
 
     @property
     def dw_slots_read(self) -> bool:
@@ -236,6 +242,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
     rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
     if cfg.kept_logits:
         z_ref = refs.pop(0)
+        m_ref = refs.pop(0) if cfg.kept_bf16 else None
         running_in = refs.pop(0) if cfg.dw_slots_read else None  # the running sum, or a zero block
         label_refs = LabelRows(*(refs.pop(0) for _ in LabelRows._fields)) if cfg.label_rows else None
         dw_hbm, dxp_hbm = refs.pop(0), refs.pop(0)
@@ -243,7 +250,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
         dw_slots, dx_acc, sems, *staging = refs
         if cfg.dw_from_running and cfg.dw_to_running:
             running_in = dw_hbm  # aliased: read and written in place
-        _kept_kernel(x_ref, w_ref, (z_ref, z_hbm), rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
+        _kept_kernel(x_ref, w_ref, (z_ref, z_hbm, m_ref), rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
                      staging, _token_step(prefetch, cfg), cfg, label_refs)
         return
     dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
@@ -288,10 +295,10 @@ def _kept_kernel(x_ref, w_ref, z_refs, rows: _Rows, running_in, dw_hbm, dxp_hbm,
     i, position = t.block, t.position
     block = core * cfg.nv_per_core + jj
     slot = jj % 2
-    z_ref, z_hbm = z_refs
+    z_ref, z_hbm, m_ref = z_refs
 
     def delta_and_dw() -> tuple[jax.Array, Any]:
-        d, delta_write = _tile_cotangent(z_ref, z_hbm, sems, rows, h, i, block, cfg)
+        d, delta_write = _tile_cotangent(z_ref, z_hbm, sems, rows, h, i, block, cfg, m_ref)
         x_rows = x_ref.at[:, _token_rows(i, cfg)] if cfg.x_transposed else x_ref.at[_token_rows(i, cfg)]
         _dw_step(x_rows, d, dw_slots.at[slot], cfg)
         return d, delta_write
@@ -312,7 +319,7 @@ def _kept_kernel(x_ref, w_ref, z_refs, rows: _Rows, running_in, dw_hbm, dxp_hbm,
         _prepare_resident_x(x_ref, jj, position, cfg)
         _mask_ragged_operands(None, w_ref, i, block, cfg)
         if not cfg.delta_over_logits:  # there the first tile masks them (:func:`_tile_cotangent`)
-            common.when_live(t.live, lambda: _mask_ragged_logits(z_ref, i, block, cfg))
+            common.when_live(t.live, lambda: _mask_ragged_logits(z_ref, i, block, cfg, m_ref))
         _running_dw_dmas(running_in, dw_hbm, dw_slots, sems, jj, position, block, h, cfg)
         if not cfg.dw_slots_read:
             _zero_dw(dw_slots.at[slot], position)
@@ -379,7 +386,8 @@ def _add_label_rows(x_ref, slot_ref, label_refs: LabelRows, block, cfg: Backward
     jax.lax.fori_loop(start + whole * _LABEL_ROWS_UNROLL, stop, single, 0)
 
 
-def _tile_cotangent(z_ref, z_hbm, sems, rows: _Rows, h, i, block, cfg: BackwardConfig) -> tuple[jax.Array, Any]:
+def _tile_cotangent(z_ref, z_hbm, sems, rows: _Rows, h, i, block, cfg: BackwardConfig,
+                    m_ref=None) -> tuple[jax.Array, Any]:
     """``(delta, its write-back or None)`` of a kept-logits step. Unsplit, ``delta`` from the kept logits.
     In hidden tiles (:attr:`BackwardConfig.delta_over_logits`) the first tile masks the ragged logits, forms
     ``delta`` and stores it over them: its bits, exactly the products' operand, packed into the block's first
@@ -387,7 +395,7 @@ def _tile_cotangent(z_ref, z_hbm, sems, rows: _Rows, h, i, block, cfg: BackwardC
     DMA the caller waits for after the products, over the kept logits in HBM. Later tiles unpack that
     ``delta`` instead of forming it again: no per-logit work."""
     if not cfg.delta_over_logits:
-        return _logit_cotangent(None, None, z_ref, rows, i, block, cfg), None
+        return _logit_cotangent(None, None, z_ref, rows, i, block, cfg, m_ref), None
     dtype = common.mxu_dtype(cfg.precision)
     packed_rows = cfg.block_b * jnp.dtype(dtype).itemsize // 4
     packed = z_ref.at[pl.ds(0, packed_rows)]
@@ -591,15 +599,18 @@ def _mask_ragged_operands(x_ref, w_ref, i, block, cfg: BackwardConfig) -> None:
             w_ref[...] = jnp.where(entry < cfg.v, w_ref[...], jnp.zeros((), w_ref.dtype))
 
 
-def _mask_ragged_logits(z_ref, i, block, cfg: BackwardConfig) -> None:
+def _mask_ragged_logits(z_ref, i, block, cfg: BackwardConfig, m_ref=None) -> None:
     """Kept logits of rows past ``N`` and columns past ``V`` (garbage, or never written) made 0 in their
-    VMEM buffer, as the recomputed ones are there (their operands are zeroed), so ``delta`` stays finite."""
+    VMEM buffer, as the recomputed ones are there (their operands are zeroed), so ``delta`` stays finite; the
+    lane maxima of bf16 kept logits (``m_ref``) of rows past ``N`` and of forward blocks past ``V``'s too (a column
+    past ``V`` in ``V``'s block has its lane's maximum, finite: :func:`ce_pallas_tpu.forward._keep_below_lane_max`)."""
     if cfg.n % cfg.block_b:
 
         @pl.when(i == cfg.nb - 1)
         def _():
-            row = i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, z_ref.shape, 0)
-            z_ref[...] = jnp.where(row < cfg.n, z_ref[...], 0.0)
+            for ref in (z_ref,) if m_ref is None else (z_ref, m_ref):
+                row = i * cfg.block_b + jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0)
+                ref[...] = jnp.where(row < cfg.n, ref[...], jnp.zeros((), ref.dtype))
 
     if cfg.v % cfg.block_v:
 
@@ -607,6 +618,9 @@ def _mask_ragged_logits(z_ref, i, block, cfg: BackwardConfig) -> None:
         def _():
             col = block * cfg.block_v + jax.lax.broadcasted_iota(jnp.int32, z_ref.shape, 1)
             z_ref[...] = jnp.where(col < cfg.v, z_ref[...], 0.0)
+            if m_ref is not None and cfg.block_v > cfg.kept_block_v:  # the forward wrote no block past V's
+                group = jax.lax.broadcasted_iota(jnp.int32, m_ref.shape, 1) // LANES
+                m_ref[...] = jnp.where(block * cfg.block_v + group * cfg.kept_block_v < cfg.v, m_ref[...], 0.0)
 
 
 def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
@@ -629,7 +643,23 @@ def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
     return zeroed_rows
 
 
-def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardConfig) -> jax.Array:
+def _kept_raw(z_ref, m_ref, cfg: BackwardConfig) -> jax.Array:
+    """The raw logits of a kept block (float32): as kept, or bf16 ones plus their lanes' maxima (``m_ref``)."""
+    if m_ref is None:
+        return z_ref[...]
+    return z_ref[...].astype(jnp.float32) + _across_block(m_ref[...], cfg)
+
+
+def _across_block(per_lane: jax.Array, cfg: BackwardConfig) -> jax.Array:
+    """``[b, block_v]`` of a ``[b, 128 r]`` array of lane maxima's shape: each column ``c`` takes its lane's
+    entry of its forward vocab block (:attr:`BackwardConfig.kept_block_v`; ``r`` of them in the block, or one
+    that spans it). The pieces are whole vector registers: placed side by side, not copied."""
+    lanes = [(column // cfg.kept_block_v) % (per_lane.shape[1] // LANES) * LANES
+             for column in range(0, cfg.block_v, LANES)]
+    return jnp.concatenate([per_lane[:, lane:lane + LANES] for lane in lanes], axis=1)
+
+
+def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardConfig, m_ref=None) -> jax.Array:
     """``delta`` of the tile (see the module docs) from its recomputed logits, in the products' dtype.
 
     Nothing is masked per logit. Rows past ``N`` get a ``delta`` of exactly 0 (:func:`_row_values`).
@@ -637,19 +667,27 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
     (:func:`_mask_ragged_operands`), so their logits are 0 and they add nothing to ``dx``; their ``dw``
     columns are never written (:func:`_dw_write`), and no label falls on them."""
     row = _row_values(rows, i, cfg)
-    if z_ref is not None:
-        raw = z_ref[...]
-    else:
-        product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
-        raw = product(x_ref[...], w_ref[...], cfg.precision)
-    z, t = common.soft_cap(raw, cfg.logit_soft_cap)
-    if row.scale is not None:
-        z = row.scale * z
     # Columns are counted from the block's first, and the per-row terms carry the offset, so no
     # per-logit work goes into global column numbers.
     first = block * cfg.block_v
-    col = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-    p = jnp.exp(z - row.lse)
+    col = jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, cfg.block_v), 1)
+    if m_ref is not None and cfg.logit_soft_cap is None and row.expected is None:
+        # bf16 kept logits: p = exp(s (z + m) - lse) = exp(s z + (s m - lse)), the lane maxima in the per-lane
+        # term that takes the lse's place, so the convert is the only work a logit adds.
+        z, t, kept, maxima = None, None, z_ref[...].astype(jnp.float32), m_ref[...]
+        if row.scale is not None:
+            kept, maxima = row.scale * kept, row.scale * maxima
+        p = jnp.exp(kept + _across_block(maxima - row.lse, cfg))
+    else:
+        if z_ref is not None:
+            raw = _kept_raw(z_ref, m_ref, cfg)
+        else:
+            product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
+            raw = product(x_ref[...], w_ref[...], cfg.precision)
+        z, t = common.soft_cap(raw, cfg.logit_soft_cap)
+        if row.scale is not None:
+            z = row.scale * z
+        p = jnp.exp(z - row.lse)
     if cfg.cotangent_in_exponent:  # g_lse is in the lse already (its sign in x and dx)
         delta = p
     elif row.expected is None or row.g_expected is None:
@@ -657,6 +695,7 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
     else:
         # p * (g_lse + g_expected * (1 + z - expected)), its row terms gathered: two vector ops per
         # logit fewer.
+        assert z is not None  # formed above: the entropy's terms take the general form
         delta = p * ((row.g_lse + row.g_expected * (1.0 - row.expected)) + row.g_expected * z)
     if not cfg.label_rows:  # else added by rows (:func:`_add_label_rows`)
         delta = delta + jnp.where(col == row.y - first, row.g_label, 0.0)
@@ -825,6 +864,7 @@ def backward_call(
     kept: tuple[jax.Array, jax.Array | None] | None = None,
     live_blocks: common.LiveBlocks | None = None,
     label_rows: LabelRows | None = None,
+    kept_maxima: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``(dx partials float32 [cores, Np, Hp], dw in w's layout and dtype, kept logits buffer)``.
 
@@ -845,6 +885,8 @@ def backward_call(
     (int32), ``row_scale`` (float32, only with ``cfg.with_row_scale``), ``lse``, ``expected`` and the
     cotangents are ``[N, 1]`` (``g_sum`` only with ``cfg.with_sum``, ``expected`` and ``g_expected``
     only with ``cfg.with_expected``). ``label_rows`` exactly with ``cfg.label_rows`` (:class:`LabelRows`).
+    ``kept_maxima`` exactly with ``cfg.kept_bf16``: the lane maxima of the bf16 kept logits
+    (:func:`ce_pallas_tpu.forward.kept_maxima_shape`).
     """
     in_specs, operands = _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_expected,
                                  cfg)
@@ -865,6 +907,14 @@ def backward_call(
         raise ValueError("backward_call: label_rows needs cotangent_in_exponent and a [V, H] head")
     if cfg.label_rows != (label_rows is not None):
         raise ValueError("backward_call: label_rows must be given exactly when cfg.label_rows")
+    if cfg.kept_bf16 and not (cfg.kept_logits and cfg.hidden_split == 1 and cfg.kept_block_v % LANES == 0
+                              and cfg.block_v % LANES == 0 and max(cfg.block_v, cfg.kept_block_v)
+                              % min(cfg.block_v, cfg.kept_block_v) == 0):
+        raise ValueError(f"backward_call: kept_bf16 needs the kept-logits mode, the hidden size whole and "
+                         f"kept_block_v={cfg.kept_block_v} a multiple or a divisor of block_v={cfg.block_v}, both "
+                         f"multiples of {LANES}")
+    if cfg.kept_bf16 != (kept_maxima is not None):
+        raise ValueError("backward_call: kept_maxima must be given exactly when cfg.kept_bf16")
     if cfg.logits_row_block and not (cfg.kept_logits and not cfg.delta_over_logits):
         raise ValueError("backward_call: logits_row_block needs the kept-logits mode without delta_over_logits")
     if cfg.kept_logits:
@@ -884,6 +934,9 @@ def backward_call(
                                      lambda c, j, i: (first_block + i, c * nvc + _hidden_and_vocab_step(j, cfg)[1])))
         operands.append(logits)
         logits_index = len(operands) - 1
+        if kept_maxima is not None:
+            in_specs.append(_maxima_spec(cfg))
+            operands.append(kept_maxima)
         if running is not None:
             in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
             operands.append(running)
@@ -954,6 +1007,21 @@ def backward_call(
     if kept is None:
         return dx_partials, dw, None
     return dx_partials, dw, after[0] if after else kept[0]
+
+
+def _maxima_spec(cfg: BackwardConfig) -> pl.BlockSpec:
+    """The lane maxima of a kept block (:attr:`BackwardConfig.kept_bf16`): 128 for each forward block it spans, or
+    its forward block's 128 where those are wider."""
+    nvc, first_block = cfg.nv_per_core, cfg.logits_row_block
+
+    def vocab_block(c, j):
+        return c * nvc + _hidden_and_vocab_step(j, cfg)[1]
+
+    if cfg.block_v >= cfg.kept_block_v:
+        return pl.BlockSpec((cfg.block_b, cfg.block_v // cfg.kept_block_v * LANES),
+                            lambda c, j, i: (first_block + i, vocab_block(c, j)))
+    per_kept = cfg.kept_block_v // cfg.block_v
+    return pl.BlockSpec((cfg.block_b, LANES), lambda c, j, i: (first_block + i, vocab_block(c, j) // per_kept))
 
 
 def _dw_staging(cfg: BackwardConfig, dtype: Any) -> list[Any]:

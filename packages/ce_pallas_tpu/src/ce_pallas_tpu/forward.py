@@ -76,9 +76,15 @@ class ForwardConfig(common.KernelConfig):
     """Static shape and tiling of one forward call; ``block_h`` is the hidden block (``hp``: unblocked).
     ``mxu_side`` sets the streamed step's column chunks. ``keep_logits``: the call also writes each
     step's raw logits ``x @ w`` (float32, before the cap and the row scale) to an output in blocks of
-    the grid's tiles, for the gradient pass of :mod:`ce_pallas_tpu.kept_logits`."""
+    the grid's tiles, for the gradient pass of :mod:`ce_pallas_tpu.kept_logits`. ``kept_bf16``: those
+    logits go out in bf16 below each lane's maximum over the step's block (:func:`_keep_below_lane_max`)."""
 
     keep_logits: bool = False
+    #: Keep the logits as ``bf16(z - m)``, ``m`` the maximum of the step's columns in each lane (float32
+    #: ``[rows, 128]`` a vocab block, a second kept output): half the bytes of float32, and the gradients of
+    #: bf16 inputs as accurate (an entry near its row's maximum is near its lane's, so it loses no more
+    #: than ``delta``'s own bf16 rounding; docs/notes/2026-12-03-kept-logits-bf16.md). The hidden size whole.
+    kept_bf16: bool = False
 
     @property
     def label_in_kernel(self) -> bool:
@@ -109,10 +115,13 @@ class ForwardConfig(common.KernelConfig):
 
 
 def _split_kept(refs, cfg: ForwardConfig):
-    """The kept-logits output's ref (the last output; None without one) and the other refs."""
+    """The kept-logits outputs' refs ``(logits, lane maxima)`` (the outputs after the statistics; None
+    without them) and the other refs."""
     if not cfg.keep_logits:
-        return None, refs
-    return refs[cfg.n_stats], (*refs[: cfg.n_stats], *refs[cfg.n_stats + 1 :])
+        return (None, None), refs
+    kept = 1 + cfg.kept_bf16
+    z_ref, m_ref = refs[cfg.n_stats], refs[cfg.n_stats + 1] if cfg.kept_bf16 else None
+    return (z_ref, m_ref), (*refs[: cfg.n_stats], *refs[cfg.n_stats + kept :])
 
 
 def _keep(z_ref, logits: jax.Array, first: int) -> jax.Array:
@@ -120,6 +129,41 @@ def _keep(z_ref, logits: jax.Array, first: int) -> jax.Array:
     if z_ref is not None:
         z_ref[:, pl.ds(first, logits.shape[1])] = logits
     return logits
+
+
+def _step_chunks(x_ref, w_ref, kept_refs, block_start, cfg: ForwardConfig, ragged: bool):
+    """``(first column, raw logits)`` of the step's column chunks: each formed and kept (where the logits are)
+    as it is asked for, so that its statistics are taken before the next chunk's product; with
+    :attr:`ForwardConfig.kept_bf16` all formed first (:func:`_keep_below_lane_max`)."""
+    z_ref, m_ref = kept_refs
+    if m_ref is not None:
+        yield from zip(cfg.column_chunks, _keep_below_lane_max(x_ref, w_ref, kept_refs, block_start, cfg, ragged),
+                       strict=True)
+        return
+    for first in cfg.column_chunks:
+        yield first, _keep(z_ref, _chunk(x_ref, w_ref, first, cfg), first)
+
+
+def _keep_below_lane_max(x_ref, w_ref, kept_refs, block_start, cfg: ForwardConfig, ragged: bool) -> list[jax.Array]:
+    """The step's column chunks of raw logits (float32), all formed first: ``m``, each lane's maximum over them
+    (``[b, 128]``, an elementwise max of the 128-wide column groups, no cross-lane work), goes into the lane
+    maxima's block and ``bf16(z - m)`` into the kept block. Columns past ``V`` (``ragged``: the step may hold
+    some) take no part in ``m``; a lane with none before ``V`` takes ``m = 0``."""
+    z_ref, m_ref = kept_refs
+    chunks = [_chunk(x_ref, w_ref, first, cfg) for first in cfg.column_chunks]
+    groups = [(first + g, chunk[:, g:g + LANES]) for first, chunk in zip(cfg.column_chunks, chunks, strict=True)
+              for g in range(0, chunk.shape[1], LANES)]
+    if ragged:
+        lane = jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1)
+        counted = [jnp.where(lane < cfg.v - block_start - start, zg, -jnp.inf) for start, zg in groups]
+        m = functools.reduce(jnp.maximum, counted)
+        m = jnp.where(m == -jnp.inf, 0.0, m)
+    else:
+        m = functools.reduce(jnp.maximum, [zg for _, zg in groups])
+    for start, zg in groups:
+        z_ref[:, pl.ds(start, LANES)] = (zg - m).astype(z_ref.dtype)
+    m_ref[...] = m
+    return chunks
 
 
 def _split_refs(refs, cfg: ForwardConfig):
@@ -240,7 +284,7 @@ def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig, prefetch=None):
     from before the step; the reference has one, since only an exact step moves it."""
     y_ref, refs = _split_labels(refs, cfg)
     s_ref, refs = _split_row_scale(refs, cfg)
-    z_ref, refs = _split_kept(refs, cfg)
+    kept_refs, refs = _split_kept(refs, cfg)
     outs, stat_refs, (redo_ref,) = _split_refs(refs, cfg)
     step = _grid_step(cfg, prefetch)
     if cfg.hidden != cfg.hp:
@@ -263,11 +307,11 @@ def _streamed_kernel(x_ref, w_ref, *refs, cfg: ForwardConfig, prefetch=None):
 
     if cfg.block_v % LANES == 0:  # else the block is the row's only one (block_v == V), always taken exactly
         pl.when(common.both(step.in_range & jnp.logical_not(exact), step.live))(
-            lambda: _streamed_step(x_ref, w_ref, s_ref, z_ref, labels, block_start, stat_refs, redo_ref, step.i,
+            lambda: _streamed_step(x_ref, w_ref, s_ref, kept_refs, labels, block_start, stat_refs, redo_ref, step.i,
                                    previous, current, cfg))
     pl.when(step.in_range & (redo_ref[0] != 0))(
-        lambda: _exact_step(x_ref, w_ref, labels, s_ref, z_ref, block_start, stat_refs, step.j, previous, current,
-                            cfg))
+        lambda: _exact_step(x_ref, w_ref, labels, s_ref, kept_refs, block_start, stat_refs, step.j, previous,
+                            current, cfg))
     pl.when(common.both(step.last_step, step.live))(lambda: _finish_streamed(outs, stat_refs, step, previous, current))
 
 
@@ -301,15 +345,14 @@ def _label_gap(labels: jax.Array | None, block_start, cfg: ForwardConfig) -> jax
             - jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1))
 
 
-def _streamed_step(x_ref, w_ref, s_ref, z_ref, labels, block_start, stat_refs, redo_ref, i, previous, current,
+def _streamed_step(x_ref, w_ref, s_ref, kept_refs, labels, block_start, stat_refs, redo_ref, i, previous, current,
                    cfg: ForwardConfig) -> None:
     """The block's exps against each lane's reference as it stands; asks for a redo on overflow."""
     state = _read_state(stat_refs, previous)
     scale = _row_scale(s_ref)
     gap = _label_gap(labels, block_start, cfg)
-    for first in cfg.column_chunks:
-        state = tile_stats.streamed_lane_update(_keep(z_ref, _chunk(x_ref, w_ref, first, cfg), first), gap, state,
-                                                cfg, first, block_start + first, scale)
+    for first, chunk in _step_chunks(x_ref, w_ref, kept_refs, block_start, cfg, ragged=False):
+        state = tile_stats.streamed_lane_update(chunk, gap, state, cfg, first, block_start + first, scale)
     # The reference has one slot: a streamed step leaves it as it is, so it is not written back.
     _write_state(stat_refs, state, current, reference=False)
     # The garbage rows of a ragged token block are left out, so they never force a redo.
@@ -319,16 +362,15 @@ def _streamed_step(x_ref, w_ref, s_ref, z_ref, labels, block_start, stat_refs, r
     redo_ref[0] = tile_stats.overflowed(sums, interpreted=bool(cfg.interpret)).astype(jnp.int32)
 
 
-def _exact_step(x_ref, w_ref, labels, s_ref, z_ref, block_start, stat_refs, j, previous, current,
+def _exact_step(x_ref, w_ref, labels, s_ref, kept_refs, block_start, stat_refs, j, previous, current,
                 cfg: ForwardConfig) -> None:
     """The block taken exactly: each lane's reference moved up to its maximum first."""
     fresh = _initial_state(stat_refs)
     state = fresh if cfg.nv_per_core == 1 else tile_stats.select(j == 0, fresh, _read_state(stat_refs, previous))
     scale = _row_scale(s_ref)
     gap = _label_gap(labels, block_start, cfg)
-    for first in cfg.column_chunks:
-        state = tile_stats.exact_lane_update(_keep(z_ref, _chunk(x_ref, w_ref, first, cfg), first),
-                                             block_start + first, labels, gap, state, cfg, first, scale)
+    for first, chunk in _step_chunks(x_ref, w_ref, kept_refs, block_start, cfg, ragged=cfg.v % cfg.block_v != 0):
+        state = tile_stats.exact_lane_update(chunk, block_start + first, labels, gap, state, cfg, first, scale)
     _write_state(stat_refs, state, current)
 
 
@@ -346,7 +388,7 @@ def _finish_streamed(outs, stat_refs, step: _Step, previous, current) -> None:
 def _blocked_kernel(x_ref, w_ref, y_ref, *refs, cfg: ForwardConfig, prefetch=None):
     """The logit tile summed over hidden blocks in a VMEM scratch, then per-row online statistics."""
     s_ref, refs = _split_row_scale(refs, cfg)
-    z_ref, refs = _split_kept(refs, cfg)
+    (z_ref, _), refs = _split_kept(refs, cfg)
     outs, stat_refs, (acc_ref,) = _split_refs(refs, cfg)
     step = _grid_step(cfg, prefetch)
     pl.when((step.j == 0) & (step.k == 0))(lambda: _write_state(stat_refs, _initial_state(stat_refs)))
@@ -391,7 +433,7 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
                  logits_into: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Per-core partial statistics, each ``[cores, N, 1]``: ``(lse[, label][, sum][, expected][, max,
     argmax])``, float32 but argmax int32; the label logit when ``cfg.label_in_kernel`` (else
-    :func:`label_logits` gives it). With ``cfg.keep_logits`` a last output follows: the raw logits,
+    :func:`label_logits` gives it). With ``cfg.keep_logits`` an output follows: the raw logits,
     float32 ``kept_shape``, at least ``[padded N, cores * vocab blocks per core * block_v]``, step
     ``(i, block)`` writing block ``(i, block)`` (a core a block short writes its last step's into
     the block past ``V``'s, never read); rows past ``N`` and columns past ``V`` hold garbage.
@@ -402,9 +444,13 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     With ``live_blocks`` (of ``cfg.block_b``-row blocks) the grid walks the live token blocks only: a dead
     block is never read, and its rows of every output are never written (garbage, for the caller to mask).
 
-    ``logits_into`` (float32 ``kept_shape``, with ``cfg.keep_logits``) is donated: the kept logits are
-    written into it in place, so a chunk loop carries one logits buffer (blocks the grid does not write
-    keep what they held).
+    With ``cfg.kept_bf16`` the kept logits are bf16 below their lane maxima, which follow as the very last
+    output (float32 :func:`kept_maxima_shape`; column ``c`` of the logits is ``bf16 value + maxima[row, (c //
+    block_v) * 128 + c % 128]``).
+
+    ``logits_into`` (``kept_shape``, in the kept logits' dtype, with ``cfg.keep_logits``) is donated: the kept
+    logits are written into it in place, so a chunk loop carries one logits buffer (blocks the grid does not
+    write keep what they held).
     """
     nvc, nv = cfg.nv_per_core, cfg.nv
     if cfg.with_row_scale != (row_scale is not None):
@@ -432,10 +478,14 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     num_out = cfg.n_stats
     stat_spec = pl.BlockSpec((pl.squeezed, cfg.block_b, 1), lambda c, i, j, k: (c, i, 0))
     aliases, kernel_inputs = {}, len(in_specs)
+    kept_dtype = jnp.bfloat16 if cfg.kept_bf16 else jnp.float32
+    if cfg.kept_bf16 and not (cfg.keep_logits and cfg.nh == 1 and cfg.block_v % LANES == 0):
+        raise ValueError("forward_call: kept_bf16 needs keep_logits, the hidden size whole and block_v a multiple "
+                         f"of {LANES}")
     if logits_into is not None:
-        if not cfg.keep_logits or logits_into.shape != kept_shape or logits_into.dtype != jnp.float32:
-            raise ValueError(f"forward_call: logits_into must be float32 {kept_shape} with cfg.keep_logits, "
-                             f"got {logits_into.dtype} {logits_into.shape}")
+        if not cfg.keep_logits or logits_into.shape != kept_shape or logits_into.dtype != kept_dtype:
+            raise ValueError(f"forward_call: logits_into must be {jnp.dtype(kept_dtype).name} {kept_shape} with "
+                             f"cfg.keep_logits, got {logits_into.dtype} {logits_into.shape}")
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))  # never read: only its buffer is reused
         inputs.append(logits_into)
     if live_blocks is not None:
@@ -451,7 +501,10 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         if kept_shape is None or kept_shape[0] < cfg.padded_n or kept_shape[1] < cfg.num_cores * nvc * cfg.block_v:
             raise ValueError(f"forward_call: kept_shape {kept_shape} does not hold the grid's logit blocks")
         out_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v), lambda c, i, j, k: (i, c * nvc + j)))
-        out_shape.append(common.out_type(kept_shape, jnp.float32, axes))
+        out_shape.append(common.out_type(kept_shape, kept_dtype, axes))
+        if cfg.kept_bf16:  # the lane maxima: 128 a row and vocab block
+            out_specs.append(pl.BlockSpec((cfg.block_b, LANES), lambda c, i, j, k: (i, c * nvc + j)))
+            out_shape.append(common.out_type(kept_maxima_shape(kept_shape, cfg.block_v), jnp.float32, axes))
     # Running max (streamed: reference), sum of exp (, label logit)(, logit sum)(, weighted sum)(, top
     # logit, its index), per row, or per row and lane when streamed.
     stat_dtypes = [jnp.float32] * cfg.n_stats + [jnp.int32 if cfg.with_argmax else jnp.float32]
@@ -491,6 +544,12 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
         ),
         name="ce_pallas_tpu_forward",
     )(*inputs)
+
+
+def kept_maxima_shape(kept_shape: tuple[int, int], block_v: int) -> tuple[int, int]:
+    """The lane maxima of bf16 kept logits (:attr:`ForwardConfig.kept_bf16`): 128 per row and vocab block of
+    ``block_v`` columns."""
+    return kept_shape[0], kept_shape[1] // block_v * LANES
 
 
 #: The most bytes of gathered ``w`` rows :func:`label_logits` holds at once: it takes the tokens in

@@ -46,9 +46,9 @@ import jax.numpy as jnp
 
 from ce_core import CotangentFn, RowStats, StatsSpec, UnsupportedError
 from ce_core.extend import vary_like
-from ce_pallas_tpu import cost_model, tiling
+from ce_pallas_tpu import common, cost_model, tiling
 from ce_pallas_tpu.backward import BackwardConfig, backward_call
-from ce_pallas_tpu.forward import ForwardConfig, forward_call
+from ce_pallas_tpu.forward import ForwardConfig, forward_call, kept_maxima_shape
 from ce_pallas_tpu.label_rows import label_rows
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
 from ce_pallas_tpu.ops import (
@@ -146,6 +146,18 @@ class KeptPlan:
         return cdiv(self.n, self.chunk)
 
     @property
+    def maxima_shape(self) -> tuple[int, int] | None:
+        """The lane maxima of bf16 kept logits (:attr:`ForwardConfig.kept_bf16`), or None: float32 logits."""
+        return kept_maxima_shape(self.logits_shape, self.forward.block_v) if self.forward.kept_bf16 else None
+
+    @property
+    def kept_row_bytes(self) -> int:
+        """HBM bytes a token's kept logits take: float32, or bf16 and their float32 lane maxima."""
+        if self.maxima_shape is None:
+            return 4 * self.logits_shape[1]
+        return 2 * self.logits_shape[1] + 4 * self.maxima_shape[1]
+
+    @property
     def piece_rows(self) -> tuple[int, ...]:
         """The rows of each backward call of a chunk (:attr:`pieces`, or the chunk whole)."""
         return self.pieces or (self.chunk,)
@@ -170,16 +182,18 @@ class KeptPlan:
     @property
     def extra_bytes(self) -> int:
         """HBM this path holds beyond the recompute path's: one chunk's kept logits (every chunk's forward
-        writes into the same buffer, :func:`row_stats_and_grads`), (over several backward calls) the float32
-        running dw, and where the backward takes them the chunk's ``x`` transposed and padded (counted as
-        float32: a bf16 ``x`` holds half), the float32 zero block its first call's ``dw`` slots are read
-        from, and with :attr:`BackwardConfig.label_rows` a chunk's sorted rows and float32 share of ``dx``."""
+        writes into the same buffer, :func:`row_stats_and_grads`; bf16 ones with their lane maxima), (over
+        several backward calls) the float32 running dw, and where the backward takes them the chunk's ``x``
+        transposed and padded (counted as float32: a bf16 ``x`` holds half), the float32 zero block its first
+        call's ``dw`` slots are read from, and with :attr:`BackwardConfig.label_rows` a chunk's sorted rows and
+        float32 share of ``dx``."""
         b = self.backward
         running = math.prod(self.running_dw_shape) if self.backward_calls > 1 else 0
         x_transposed = b.padded_n * b.hp if b.x_transposed else 0
         zeros = math.prod(b.dw_acc_shape) if b.dw_zeros_by_dma else 0
         label_rows = self.chunk * (b.hidden + 3) + b.nv + 1 if b.label_rows else 0
-        return 4 * (math.prod(self.logits_shape) + running + x_transposed + zeros + label_rows)
+        kept = self.logits_shape[0] * self.kept_row_bytes
+        return kept + 4 * (running + x_transposed + zeros + label_rows)
 
 
 def plan_chunks(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: StatsSpec,
@@ -330,9 +344,10 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
 
     Recompute: the forward (``2NHV`` flops; ``w`` read) and the backward (``6NHV``; ``w`` read, ``dw``
     written). Kept, per chunk of ``C`` tokens: the forward (``2CHV``; ``w`` read, ``4CV`` bytes of logits
-    written) and the backward over each of its pieces (:attr:`KeptPlan.pieces`; ``4PHV`` for ``P`` rows; ``w``
-    and the piece's logits read, the float32 running ``dw`` read and written: the call's first backward only
-    writes it, the last reads it and writes ``dw`` in ``w``'s dtype). Each
+    written; about half that in bf16, :attr:`KeptPlan.kept_row_bytes`) and the backward over each of its pieces
+    (:attr:`KeptPlan.pieces`; ``4PHV`` for ``P`` rows; ``w`` and the piece's logits read, the float32 running
+    ``dw`` read and written: the call's first backward only writes it, the last reads it and writes ``dw`` in
+    ``w``'s dtype). Each
     backward also forms ``delta`` from every logit, once per hidden tile, at the cost of
     ``ChipFacts.delta_columns`` MXU columns (v6e: what makes two tiles of Llama-3 8B's head 1.18 of their
     MXU minimum against 1.06 whole; formed once and read back by later tiles, ``delta_over_logits``, they
@@ -345,7 +360,7 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
     flops, bandwidth = target.facts.bf16_flops * cores, target.facts.hbm_bytes_per_s * cores
     n, h, v, c = plan.n, plan.h, plan.v, plan.chunk
     head = h * v * jnp.dtype(w_dtype).itemsize
-    logits, running = 4 * c * plan.logits_shape[1], 4 * math.prod(plan.running_dw_shape)
+    logits, running = c * plan.kept_row_bytes, 4 * math.prod(plan.running_dw_shape)
     delta = 4 * v * target.facts.delta_columns / flops  # per token and hidden tile, beside the products
     recompute = (max(2 * n * h * v / flops, head / bandwidth)
                  + max(6 * n * h * v / flops + n * delta, 2 * head / bandwidth))
@@ -356,7 +371,7 @@ def estimated_seconds(plan: KeptPlan, w_dtype: Any, target: Target) -> tuple[flo
         return max(2 * c * h * v / flops, (head + logits) / bandwidth)
 
     def backward_piece(rows: int, dw_bytes: float) -> float:
-        kept_rows = 4 * rows * plan.logits_shape[1]
+        kept_rows = rows * plan.kept_row_bytes
         return max(4 * rows * h * v / flops + tiles * rows * delta, (head + tiles * kept_rows + dw_bytes) / bandwidth)
 
     # Each backward call's float32 running dw: written by the call's first, read and written by the ones between,
@@ -377,7 +392,7 @@ def budgeted_plan(n: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Stat
     plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target)
     if plan.extra_bytes > budget_bytes:
         logits_room = budget_bytes - 4 * math.prod(plan.running_dw_shape)
-        fitting = logits_room // (4 * plan.logits_shape[1]) // 512 * 512
+        fitting = logits_room // plan.kept_row_bytes // 512 * 512
         if MIN_BUDGET_CHUNK_TOKENS <= fitting < plan.chunk:
             plan = plan_chunks(n, h, v, x_dtype, w_dtype, spec, target, chunk_tokens=fitting)
     return plan
@@ -482,10 +497,15 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
         while True:
             base = make_plan(size, h, v, x_dtype, w_dtype, spec, target)
             shape = problem_shape(size, h, v, x_dtype, w_dtype, spec)
-            backward = _fit_backward(base, shape, budget, floor, explicit, split, target)
+            in_bf16 = split == 1 and _kept_in_bf16(base, shape, target)
+            backward = _fit_backward(base, shape, budget, floor, explicit, split, target, in_bf16)
             if _backward_need(backward, shape) <= budget:
-                forward = _fit_forward(base, shape, target, budget, explicit)
-                if _forward_need(forward, shape, target) <= budget:
+                forward = _fit_forward(base, shape, target, budget, explicit, in_bf16)
+                if in_bf16 and max(forward.block_v, backward.block_v) % min(forward.block_v, backward.block_v):
+                    forward = dataclasses.replace(forward, kept_bf16=False)  # no lane maxima's block in common
+                backward = dataclasses.replace(backward, kept_bf16=forward.kept_bf16,
+                                               kept_block_v=forward.block_v if forward.kept_bf16 else 0)
+                if max(_backward_need(backward, shape), _forward_need(forward, shape, target)) <= budget:
                     return forward, backward, size
             if size <= MIN_FITTED_CHUNK:
                 break
@@ -493,11 +513,26 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
     return None
 
 
-def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int, explicit: bool) -> ForwardConfig:
+def _kept_in_bf16(base: Plan, shape: cost_model.Shape, target: Target) -> bool:
+    """Whether the kept logits go in bf16 below their lanes' maxima (:attr:`ForwardConfig.kept_bf16`): where the
+    chip's schedule gains by it (:attr:`ce_pallas_tpu.target.ChipFacts.kept_logits_bf16`), for bf16 inputs whose
+    products run in bf16 (their ``delta`` is rounded to bf16 anyway), the forward's hidden size whole and too
+    narrow for float32 writes to hide under its matmuls (``Hp < 2 flops_per_byte``), without a soft cap: a capped
+    head's saturated logits carry large probabilities far below their lane's raw maximum (v6e's interpreter, logits
+    of standard deviation 4 capped at 10: ``dw`` 36% farther from the oracle than with float32 logits)."""
+    forward = base.forward
+    return (target.facts.kept_logits_bf16 and shape.x_bytes == 2 and shape.w_bytes == 2 and not shape.capped
+            and common.mxu_dtype(forward.precision) == jnp.bfloat16 and forward.nh == 1
+            and forward.block_v % LANES == 0 and shape.hp < 2 * target.facts.flops_per_byte)
+
+
+def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int, explicit: bool,
+                 in_bf16: bool = False) -> ForwardConfig:
     """The kept forward's tiles: the recompute forward's where they and the kept logits' blocks fit VMEM,
     else :func:`_largest_fitting_forward`'s. Unless the caller set the tiles, the token block then grows
-    where the kept logits' writes would not hide (:func:`_grown_for_kept_writes`)."""
-    cfg = dataclasses.replace(base.forward, keep_logits=True)
+    where the kept logits' writes would not hide (:func:`_grown_for_kept_writes`). ``in_bf16``: the logits
+    kept in bf16 (:func:`_kept_in_bf16`)."""
+    cfg = dataclasses.replace(base.forward, keep_logits=True, kept_bf16=in_bf16)
     if _forward_need(cfg, shape, target) > budget:
         cfg = _largest_fitting_forward(cfg, shape, target, budget)
     return cfg if explicit else _grown_for_kept_writes(cfg, shape, target, budget)
@@ -532,16 +567,20 @@ def _halvable_forward_width(block_v: int, target: Target) -> bool:
 
 
 def _forward_need(cfg: ForwardConfig, shape: cost_model.Shape, target: Target) -> int:
-    """VMEM of the kept forward: the forward's model plus two float32 blocks of the logits it writes."""
-    return (cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
-            + 2 * 4 * cfg.block_b * cfg.block_v)
+    """VMEM of the kept forward: the forward's model plus two float32 blocks of the logits it writes; with
+    :attr:`ForwardConfig.kept_bf16` two bf16 blocks and two of lane maxima, and the step's float32 tile, whole
+    before its maxima are known."""
+    model = cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
+    if cfg.kept_bf16:
+        return model + (2 * 2 + 4) * cfg.block_b * cfg.block_v + 2 * 4 * cfg.block_b * LANES
+    return model + 2 * 4 * cfg.block_b * cfg.block_v
 
 
-def _kept_forward_hides(block_b: int, shape: cost_model.Shape, target: Target) -> bool:
+def _kept_forward_hides(block_b: int, shape: cost_model.Shape, target: Target, logit_bytes: int = 4) -> bool:
     """Whether the kept forward's HBM traffic hides under its matmuls: per flop it reads ``w_bytes /
-    (2 block_b)`` bytes of ``w`` (a ``w`` block per step, for ``block_b`` rows) and writes ``2 / Hp`` of
-    float32 logits, against the chip's ``1 / flops_per_byte``."""
-    return shape.w_bytes / (2 * block_b) + 2 / shape.hp <= 1 / target.facts.flops_per_byte
+    (2 block_b)`` bytes of ``w`` (a ``w`` block per step, for ``block_b`` rows) and writes ``logit_bytes /
+    (2 Hp)`` of logits, against the chip's ``1 / flops_per_byte``."""
+    return shape.w_bytes / (2 * block_b) + logit_bytes / (2 * shape.hp) <= 1 / target.facts.flops_per_byte
 
 
 def _grown_for_kept_writes(cfg: ForwardConfig, shape: cost_model.Shape, target: Target,
@@ -553,7 +592,8 @@ def _grown_for_kept_writes(cfg: ForwardConfig, shape: cost_model.Shape, target: 
     leaves a narrow head's forward HBM-bound at that block: Qwen2.5-1.5B's, 1024 x 4096 tiles of a
     4096-token chunk, moves 1.31 times what its MXU time hides; 4096 x 1024 tiles run at 1.04 of the MXU
     minimum. Where ``Hp <= 2 flops_per_byte`` nothing hides; fewer ``w`` reads still cut the traffic."""
-    while not _kept_forward_hides(cfg.block_b, shape, target) and cfg.padded_n % (2 * cfg.block_b) == 0:
+    logit_bytes = 2 if cfg.kept_bf16 else 4
+    while not _kept_forward_hides(cfg.block_b, shape, target, logit_bytes) and cfg.padded_n % (2 * cfg.block_b) == 0:
         trial = dataclasses.replace(cfg, block_b=2 * cfg.block_b)
         while _forward_need(trial, shape, target) > budget and _halvable_forward_width(trial.block_v, target):
             trial = dataclasses.replace(trial, block_v=trial.block_v // 2)
@@ -574,7 +614,7 @@ def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     recompute = cost_model.backward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, single_w=cfg.w_buffers == 1)
     blocked = 2 * cfg.block_b * hp * (shape.x_bytes + 4)
     resident = rows * hp * (shape.x_bytes + 4)
-    logits = 2 * 4 * cfg.block_b * cfg.block_v
+    logits = 2 * cfg.block_b * (2 * cfg.block_v + 4 * LANES if cfg.kept_bf16 else 4 * cfg.block_v)
     return recompute - blocked + resident + logits + 4 * blocks
 
 
@@ -587,7 +627,8 @@ KEPT_MAX_BLOCK_B, KEPT_MAX_BLOCK_V = 1024, 2048
 
 
 def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int = 256,
-                  explicit: bool = False, split: int = 1, target: Target | None = None) -> BackwardConfig:
+                  explicit: bool = False, split: int = 1, target: Target | None = None,
+                  in_bf16: bool = False) -> BackwardConfig:
     """The kept backward's tiles: explicit ones as given (vocab block halved to fit); by default the
     products over the whole hidden size, the largest token block that divides the chunk (at most
     :data:`KEPT_MAX_BLOCK_B`) and the widest vocab block (at most :data:`KEPT_MAX_BLOCK_V`) whose VMEM fits:
@@ -600,7 +641,7 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
                               dw_zeros_by_dma=facts is not None and facts.kept_dw_zeros_by_dma,
                               cotangent_in_exponent=not base.backward.with_expected,
                               label_rows=facts is not None and facts.kept_label_rows and not base.backward.with_expected
-                              and base.backward.w_layout == "vh")
+                              and base.backward.w_layout == "vh", kept_bf16=in_bf16)
     if cfg.hidden_tile % cfg.block_h:
         cfg = dataclasses.replace(cfg, block_h=cfg.hidden_tile)
     if not explicit:
@@ -678,8 +719,10 @@ def row_stats_and_grads(
         live_c = None if live is None else piece(live)
         partials = forward_call(x_c, w, y_c, plan.forward, s_c, plan.logits_shape,
                                 live_blocks=live_blocks(live_c, plan.forward.block_b), logits_into=kept)
-        logits = partials[-1]
-        stats_c = dead_rows_zeroed(merge_partials(list(partials[:-1]), x_c, w, y_c, plan.forward, s_c), live_c)
+        kept_outputs = 2 if plan.forward.kept_bf16 else 1
+        logits, maxima = partials[-kept_outputs], partials[-1] if plan.forward.kept_bf16 else None
+        stats_c = dead_rows_zeroed(merge_partials(list(partials[:-kept_outputs]), x_c, w, y_c, plan.forward, s_c),
+                                   live_c)
         smooth = stats_c._replace(max=None, argmax=None)
         cotangent = cotangent_fn(smooth, jax.tree.map(piece, token_params))
         if n % rows:  # rows an earlier chunk owned add nothing now
@@ -693,7 +736,7 @@ def row_stats_and_grads(
             x_p, y_p, s_p, live_p = (None if a is None else part(a) for a in (x_c, y_c, s_c, live_c))
             stats_p, cotangent_p = jax.tree.map(part, stats_c), jax.tree.map(part, cotangent)
             dx_partials, dw, logits, sign, dx_share = _backward(x_p, w, y_p, s_p, stats_p, cotangent_p, logits, dw,
-                                                                cfg, live_p)
+                                                                cfg, live_p, maxima)
             dx_p = merged_dx(dx_partials, cfg.n, h, live_p)
             if dx_share is not None:
                 dx_p = dx_p + dx_share
@@ -732,11 +775,11 @@ def row_stats_and_grads(
 
 
 def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, running_dw, cfg: BackwardConfig,
-              live: jax.Array | None):
+              live: jax.Array | None, maxima: jax.Array | None = None):
     """The backward kernel on one chunk's kept logits: ``(dx partials, running dw plus the chunk's, the
     logits' buffer as the kernel leaves it, the rows' sign that dx takes or None, the label term's share of dx
-    with :attr:`BackwardConfig.label_rows` or None)``; dead rows (``live`` false) made inert, dead token blocks
-    skipped."""
+    with :attr:`BackwardConfig.label_rows` or None)``; ``maxima`` the lane maxima of bf16 kept logits; dead rows
+    (``live`` false) made inert, dead token blocks skipped."""
 
     def column(g: jax.Array | None) -> jax.Array | None:
         return None if g is None else g.astype(jnp.float32).reshape(-1, 1)
@@ -754,10 +797,10 @@ def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, ru
         g_label, g_sum = sign * g_label, None if g_sum is None else sign * g_sum
         x_c = sign.astype(x_c.dtype) * x_c
     if cfg.label_rows:
-        rows, dx_share = label_rows(logits, w, y_c, lse, g_label, g_sum, s_c, cfg)
+        rows, dx_share = label_rows(logits, w, y_c, lse, g_label, g_sum, s_c, cfg, maxima)
     dx_partials, dw, logits = backward_call(x_c, w, y_c, lse, g_lse, g_label, g_sum, expected, g_expected, cfg,
                                             s_c, kept=(logits, running_dw), live_blocks=live_blocks(live, cfg.block_b),
-                                            label_rows=rows)
+                                            label_rows=rows, kept_maxima=maxima)
     return dx_partials, dw, logits, sign, dx_share
 
 

@@ -19,27 +19,38 @@ import jax.numpy as jnp
 
 from ce_pallas_tpu import common
 from ce_pallas_tpu.backward import BackwardConfig, LabelRows
+from ce_pallas_tpu.layout import LANES
 
 
 def label_rows(logits: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array, g_label: jax.Array,
-               g_sum: jax.Array | None, row_scale: jax.Array | None,
-               cfg: BackwardConfig) -> tuple[LabelRows, jax.Array]:
+               g_sum: jax.Array | None, row_scale: jax.Array | None, cfg: BackwardConfig,
+               maxima: jax.Array | None = None) -> tuple[LabelRows, jax.Array]:
     """``(the kernel's LabelRows, dx's share float32 [n, H])`` of one backward call's rows.
 
     ``logits`` is the kept buffer (the call's rows from block ``cfg.logits_row_block``), ``w`` the ``[V, H]`` head;
     ``labels`` (int32), ``lse`` (with ``|g_lse|`` folded in), the signed ``g_label`` and ``g_sum`` and ``row_scale``
-    are ``[n, 1]`` columns as the kernel takes them. Rows whose term is 0 (ignored, dead, zero-weighted) are left
+    are ``[n, 1]`` columns as the kernel takes them; ``maxima`` the lane maxima of bf16 kept logits
+    (:attr:`BackwardConfig.kept_bf16`). Rows whose term is 0 (ignored, dead, zero-weighted) are left
     out."""
     n, dtype = cfg.n, common.mxu_dtype(cfg.precision)
     label = labels[:, 0]
     counted = (label >= 0) & (label < cfg.v) & (g_label[:, 0] != 0)
     column = jnp.where(counted, label, 0)
-    raw = logits[cfg.logits_row_block * cfg.block_b + jnp.arange(n), column]
+    row = cfg.logits_row_block * cfg.block_b + jnp.arange(n)
+    raw = logits[row, column].astype(jnp.float32)
     # The kernel's delta at the entry, in its order of operations (:func:`ce_pallas_tpu.backward._logit_cotangent`).
-    z, t = common.soft_cap(raw, cfg.logit_soft_cap)
-    if row_scale is not None:
-        z = row_scale[:, 0] * z
-    without = jnp.exp(z - lse[:, 0])
+    if maxima is not None and cfg.logit_soft_cap is None:  # bf16 kept logits, their lane maximum in the exponent
+        t, kept, maximum = None, raw, maxima[row, column // cfg.kept_block_v * LANES + column % LANES]
+        if row_scale is not None:
+            kept, maximum = row_scale[:, 0] * kept, row_scale[:, 0] * maximum
+        without = jnp.exp(kept + (maximum - lse[:, 0]))
+    else:
+        if maxima is not None:
+            raw = raw + maxima[row, column // cfg.kept_block_v * LANES + column % LANES]
+        z, t = common.soft_cap(raw, cfg.logit_soft_cap)
+        if row_scale is not None:
+            z = row_scale[:, 0] * z
+        without = jnp.exp(z - lse[:, 0])
     with_term = without + g_label[:, 0]
     if g_sum is not None:
         with_term, without = with_term + g_sum[:, 0], without + g_sum[:, 0]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ce_pallas_tpu.backward import BackwardConfig, LabelRows, backward_call
 from ce_pallas_tpu.common import KernelConfig, LiveBlocks
 from ce_pallas_tpu.forward import ForwardConfig, forward_call
-from ce_pallas_tpu.layout import cdiv
+from ce_pallas_tpu.layout import LANES, cdiv
 from ce_pallas_tpu.tooling.schedule.records import running_dw
 
 
@@ -103,16 +103,20 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str, s
     running = (cfg.nv * cfg.block_v, cfg.hidden) if cfg.w_layout == "vh" else (cfg.hidden, cfg.nv * cfg.block_v)
     kept_operands: tuple[jax.ShapeDtypeStruct, ...] = ()
     if kept:  # the chunk's logits, and the running float32 dw where the chunk adds onto it
-        kept_operands = (operand(logits_shape, jnp.float32),)
+        kept_operands = (operand(logits_shape, jnp.bfloat16 if cfg.kept_bf16 else jnp.float32),)
         if getattr(cfg, "dw_from_running", False):
             kept_operands += (operand(running, jnp.float32),)
+    if cfg.kept_bf16:  # and the lane maxima of bf16 kept logits, last
+        kept_operands += (operand((logits_shape[0], cdiv(logits_shape[1], cfg.kept_block_v) * LANES), jnp.float32),)
 
     def backward(x_, w_, y_, lse, g_lse, g_label, *optional):
         rest = list(optional)
+        maxima = rest.pop() if cfg.kept_bf16 else None
         g_sum = rest.pop(0) if cfg.with_sum else None
         expected, g_expected = (rest.pop(0), rest.pop(0)) if cfg.with_expected else (None, None)
         kept_in = (rest.pop(0), rest.pop(0) if rest else None) if kept else None
         return backward_call(x_, w_, y_, lse, g_lse, g_label, g_sum, expected, g_expected, cfg, kept=kept_in,
-                             live_blocks=blocks, label_rows=spread_label_rows(cfg) if cfg.label_rows else None)
+                             live_blocks=blocks, label_rows=spread_label_rows(cfg) if cfg.label_rows else None,
+                             kept_maxima=maxima)
 
     return backward, (x, w, labels, *columns, *kept_operands)
