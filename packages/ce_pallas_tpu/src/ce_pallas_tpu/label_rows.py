@@ -38,16 +38,15 @@ def label_rows(logits: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Arra
     column = jnp.where(counted, label, 0)
     row = cfg.logits_row_block * cfg.block_b + jnp.arange(n)
     raw = logits[row, column].astype(jnp.float32)
+    maximum = None if maxima is None else maxima[row, column // cfg.kept_block_v * LANES + column % LANES]
     # The kernel's delta at the entry, in its order of operations (:func:`ce_pallas_tpu.backward._logit_cotangent`).
-    if maxima is not None and cfg.logit_soft_cap is None:  # bf16 kept logits, their lane maximum in the exponent
-        t, kept, maximum = None, raw, maxima[row, column // cfg.kept_block_v * LANES + column % LANES]
+    if maximum is not None and cfg.logit_soft_cap is None:  # bf16 kept logits, their lane maximum in the exponent
+        t, kept = None, raw
         if row_scale is not None:
             kept, maximum = row_scale[:, 0] * kept, row_scale[:, 0] * maximum
         without = jnp.exp(kept + (maximum - lse[:, 0]))
     else:
-        if maxima is not None:
-            raw = raw + maxima[row, column // cfg.kept_block_v * LANES + column % LANES]
-        z, t = common.soft_cap(raw, cfg.logit_soft_cap)
+        z, t = common.soft_cap(raw if maximum is None else raw + maximum, cfg.logit_soft_cap)
         if row_scale is not None:
             z = row_scale[:, 0] * z
         without = jnp.exp(z - lse[:, 0])
