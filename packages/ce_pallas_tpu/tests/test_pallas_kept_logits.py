@@ -150,18 +150,21 @@ def test_middle_chunks_called_one_after_another_or_in_a_loop_give_the_same_gradi
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("layout,n", [("hv", 600), ("vh", 230)])
-def test_the_kept_backwards_default_tiles_match_the_oracle(interpret, monkeypatch, layout, n):
+@pytest.mark.parametrize("layout,n,chunk", [("hv", 600, 256), ("vh", 330, None)])
+def test_the_kept_backwards_default_tiles_match_the_oracle(interpret, monkeypatch, layout, n, chunk):
     """The kept backward's own default tiles (the whole hidden size per product, a token block that divides
     the chunk, a wide vocab block), ragged in V and H, over two cores, race-checked: three chunks, or one
-    of 230 tokens (not whole sublane tiles: the kernels' token blocks round up to 16, the rest masked)."""
+    of 330 tokens (not whole sublane tiles: the kernels' token blocks round up to 16, the rest masked; the
+    forward's one block of 336 rows inside the backward's two of 176, the buffer not a whole number of it)."""
     interpret("v5p")
-    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 256)
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", chunk)
     h, v = 200, 3000
     x, labels, w = _problem(17, n, h, v, layout, "float32")
     plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, StatsSpec(w_layout=layout))
     assert plan.chunks == (3 if n == 600 else 1) and plan.backward.block_h == plan.backward.hp
     assert plan.forward.block_b % 16 == plan.backward.block_b % 16 == 0
+    if n == 330:
+        assert (plan.forward.block_b, plan.backward.block_b, plan.logits_shape[0]) == (336, 176, 352)
     assert plan.backward.nv == 2 and plan.backward.num_cores == 2
     _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout)
 
@@ -638,6 +641,16 @@ def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interp
     assert columns == 4 * 128
     assert plan.running_dw_shape == (256, 3 * 128)  # H padded to 256, whole vocab blocks
     assert plan.extra_bytes == 4 * (rows * columns + 256 * 384)  # one logits buffer through the chunks
+    # A token count nobody tuned for (v6e, Qwen3-0.6B's tied head): the forward's block half the chunk, the
+    # backward's a third of it; the buffer spans the longer padded extent, not a whole number of both blocks
+    # (their lcm, 94,752 rows, would be 31 GB of bf16 logits and their maxima).
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+    v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
+    untuned = kept_logits.plan_chunks(3000, 1024, 151936, jnp.bfloat16, jnp.bfloat16, StatsSpec(w_layout="vh"), v6e)
+    f, b = untuned.forward, untuned.backward
+    assert untuned.chunks == 1 and (f.padded_n, b.padded_n) == (3008, 3024)
+    assert untuned.logits_shape[0] == 3024 and untuned.extra_bytes < 2**30
 
 
 def test_the_default_keeps_where_the_budget_allows_and_keeping_pays():
@@ -799,7 +812,9 @@ def test_v6e_adds_a_tied_heads_label_term_by_rows_and_compiles():
     by rows (``label_rows``: SMEM operands and a loop per vocab block in the backward) and keeps its logits in bf16
     below their lanes' maxima (``kept_bf16``: Mosaic lowers both kernels' forms), and ``value_and_grad`` over two
     chunks compiles for v6e within the kept path's memory: the recompute step's plus the plan's extra bytes (the
-    rows' sorting and ``dx``'s float32 share among them, the bf16 logits and their maxima) and a bf16 ``dx``."""
+    rows' sorting and ``dx``'s float32 share among them, the bf16 logits and their maxima) and a bf16 ``dx``. So
+    does one chunk of 3000 tokens, a count nobody tuned for: its buffer of 3024 rows is not a whole number of the
+    forward's 1504-row blocks (Mosaic takes a buffer its blocks do not tile, each block within it)."""
     from ce_pallas_tpu.target import targeting
     from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
 
@@ -814,6 +829,15 @@ def test_v6e_adds_a_tied_heads_label_term_by_rows_and_compiles():
     extra = kept.temp_bytes - recompute.temp_bytes
     kept_logits_bytes = plan.logits_shape[0] * plan.kept_row_bytes
     assert kept_logits_bytes <= extra <= plan.extra_bytes + 2 * n * h, (extra, plan.extra_bytes)
+    untuned = 3000
+    with targeting("v6e"):
+        one = kept_logits.plan_chunks(untuned, h, v, bf16, bf16, StatsSpec(w_layout="vh"))
+    assert one.chunks == 1 and one.logits_shape[0] == 3024 and 3024 % one.forward.block_b
+    assert one.forward.kept_bf16 and one.backward.label_rows
+    kept = compile_loss_and_grads("v6e", untuned, h, v, keep_logits=True, w_layout="vh")
+    assert kept.temp_bytes is not None  # the recompute step's temporaries grow with the tokens: 8192's bound 3000's
+    assert one.logits_shape[0] * one.kept_row_bytes <= kept.temp_bytes
+    assert kept.temp_bytes <= recompute.temp_bytes + one.extra_bytes + 2 * untuned * h, (kept.temp_bytes, one)
 
 
 @pytest.mark.covering(layout=("hv", "vh"), extras=("plain", "z_loss+smoothing", "weights"),

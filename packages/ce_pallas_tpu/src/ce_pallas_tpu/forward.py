@@ -68,7 +68,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ce_core.extend import vary_like
 from ce_pallas_tpu import common, tile_stats
-from ce_pallas_tpu.layout import LANES, SUBLANES, forward_column_chunk
+from ce_pallas_tpu.layout import LANES, SUBLANES, cdiv, forward_column_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -548,8 +548,8 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
 
 def kept_maxima_shape(kept_shape: tuple[int, int], block_v: int) -> tuple[int, int]:
     """The lane maxima of bf16 kept logits (:attr:`ForwardConfig.kept_bf16`): 128 per row and vocab block of
-    ``block_v`` columns."""
-    return kept_shape[0], kept_shape[1] // block_v * LANES
+    ``block_v`` columns (a last block in part past the buffer's columns included)."""
+    return kept_shape[0], cdiv(kept_shape[1], block_v) * LANES
 
 
 #: The most bytes of gathered ``w`` rows :func:`label_logits` holds at once: it takes the tokens in

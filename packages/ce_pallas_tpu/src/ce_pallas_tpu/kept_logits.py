@@ -311,6 +311,9 @@ def _plan(n: int, h: int, v: int, spec: StatsSpec, forward: ForwardConfig, backw
     ``pieces`` of each chunk, if given), and its buffers' shapes."""
     # The kept logits are an array of their own, whose token blocks must be whole sublane tiles (a block
     # equal to the array's rows would do, but both kernels' blocks cannot always be): rows past N are masked.
+    # The buffer's rows span the longer of the kernels' padded extents, each kernel's blocks then within it; they
+    # need not be a whole number of both blocks (their lcm: v6e, Qwen3-0.6B's head, a chunk of 3000 tokens in the
+    # forward's blocks of 1504 rows and the backward's of 1008 would have asked for 94,752 rows, 31 GB).
     if forward.block_b % 16:
         forward = dataclasses.replace(forward, block_b=round_up(forward.block_b, 16))
     if backward.block_b % 16:
@@ -319,10 +322,10 @@ def _plan(n: int, h: int, v: int, spec: StatsSpec, forward: ForwardConfig, backw
     if pieces:  # the last piece's blocks start after the others' rows (whole blocks)
         last = dataclasses.replace(backward, n=pieces[-1])
         backward_rows = sum(pieces[:-1]) + last.padded_n
-    rows = round_up(max(forward.padded_n, backward_rows), math.lcm(forward.block_b, backward.block_b))
+    rows = max(forward.padded_n, backward_rows)
     columns = max(forward.num_cores * forward.nv_per_core * forward.block_v,
                   backward.num_cores * backward.nv_per_core * backward.block_v)
-    columns = round_up(columns, math.lcm(forward.block_v, backward.block_v))
+    columns = round_up(columns, math.lcm(forward.block_v, backward.block_v))  # a few blocks at most
     dw_entries = backward.nv * backward.block_v
     running = (dw_entries, backward.hp) if spec.w_layout == "vh" else (backward.hp, dw_entries)
     return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running, pieces)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from ce_pallas_tpu.backward import BackwardConfig, LabelRows, backward_call
 from ce_pallas_tpu.common import KernelConfig, LiveBlocks
-from ce_pallas_tpu.forward import ForwardConfig, forward_call
-from ce_pallas_tpu.layout import LANES, cdiv
+from ce_pallas_tpu.forward import ForwardConfig, forward_call, kept_maxima_shape
+from ce_pallas_tpu.layout import cdiv
 from ce_pallas_tpu.tooling.schedule.records import running_dw
 
 
@@ -107,7 +107,7 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str, s
         if getattr(cfg, "dw_from_running", False):
             kept_operands += (operand(running, jnp.float32),)
     if cfg.kept_bf16:  # and the lane maxima of bf16 kept logits, last
-        kept_operands += (operand((logits_shape[0], cdiv(logits_shape[1], cfg.kept_block_v) * LANES), jnp.float32),)
+        kept_operands += (operand(kept_maxima_shape(logits_shape, cfg.kept_block_v), jnp.float32),)
 
     def backward(x_, w_, y_, lse, g_lse, g_label, *optional):
         rest = list(optional)
