@@ -643,13 +643,6 @@ def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
     return zeroed_rows
 
 
-def _kept_raw(z_ref, m_ref, cfg: BackwardConfig) -> jax.Array:
-    """The raw logits of a kept block (float32): as kept, or bf16 ones plus their lanes' maxima (``m_ref``)."""
-    if m_ref is None:
-        return z_ref[...]
-    return z_ref[...].astype(jnp.float32) + _across_block(m_ref[...], cfg)
-
-
 def _across_block(per_lane: jax.Array, cfg: BackwardConfig) -> jax.Array:
     """``[b, block_v]`` of a ``[b, 128 r]`` array of lane maxima's shape: each column ``c`` takes its lane's
     entry of its forward vocab block (:attr:`BackwardConfig.kept_block_v`; ``r`` of them in the block, or one
@@ -671,23 +664,14 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
     # per-logit work goes into global column numbers.
     first = block * cfg.block_v
     col = jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, cfg.block_v), 1)
-    if m_ref is not None and cfg.logit_soft_cap is None and row.expected is None:
-        # bf16 kept logits: p = exp(s (z + m) - lse) = exp(s z + (s m - lse)), the lane maxima in the per-lane
-        # term that takes the lse's place, so the convert is the only work a logit adds.
-        z, t, kept, maxima = None, None, z_ref[...].astype(jnp.float32), m_ref[...]
-        if row.scale is not None:
-            kept, maxima = row.scale * kept, row.scale * maxima
-        p = jnp.exp(kept + _across_block(maxima - row.lse, cfg))
+    if z_ref is not None:  # bf16 kept logits: the lane maxima in the exponent's per-lane term, where they can be
+        raw = z_ref[...] if m_ref is None else z_ref[...].astype(jnp.float32)
     else:
-        if z_ref is not None:
-            raw = _kept_raw(z_ref, m_ref, cfg)
-        else:
-            product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
-            raw = product(x_ref[...], w_ref[...], cfg.precision)
-        z, t = common.soft_cap(raw, cfg.logit_soft_cap)
-        if row.scale is not None:
-            z = row.scale * z
-        p = jnp.exp(z - row.lse)
+        product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
+        raw = product(x_ref[...], w_ref[...], cfg.precision)
+    p, z, t = common.logit_probability(raw, row.lse, row.scale, cfg.logit_soft_cap,
+                                       None if m_ref is None else m_ref[...],
+                                       functools.partial(_across_block, cfg=cfg), keep_z=row.expected is not None)
     if cfg.cotangent_in_exponent:  # g_lse is in the lse already (its sign in x and dx)
         delta = p
     elif row.expected is None or row.g_expected is None:
@@ -699,13 +683,7 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
         delta = p * ((row.g_lse + row.g_expected * (1.0 - row.expected)) + row.g_expected * z)
     if not cfg.label_rows:  # else added by rows (:func:`_add_label_rows`)
         delta = delta + jnp.where(col == row.y - first, row.g_label, 0.0)
-    if row.g_sum is not None:
-        delta = delta + row.g_sum
-    if t is not None:
-        delta = delta * (1.0 - t * t)
-    if row.scale is not None:
-        delta = delta * row.scale
-    return delta.astype(common.mxu_dtype(cfg.precision))
+    return common.delta_row_terms(delta, row.g_sum, t, row.scale).astype(common.mxu_dtype(cfg.precision))
 
 
 def _zero_dw(dw_acc, position) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -81,6 +82,39 @@ def soft_cap(raw: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array | 
         return raw, None
     t = jnp.tanh(raw * (1.0 / cap))
     return cap * t, t
+
+
+def logit_probability(raw: jax.Array, lse: jax.Array, scale: jax.Array | None, cap: float | None,
+                      maximum: jax.Array | None = None, spread: Callable[[jax.Array], jax.Array] = lambda a: a,
+                      keep_z: bool = False) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """``(p, z, t)`` of the backward's logits: ``z = scale * cap(raw)``, ``p = exp(z - lse)`` and the cap's ``t``
+    (:func:`soft_cap`; None uncapped). ``raw`` may be bf16 kept logits below their lanes' maxima ``maximum``,
+    which ``spread`` lays over ``raw``'s columns (the kernel's per-lane maxima over a block; the identity for
+    values gathered per logit): uncapped and without ``keep_z`` (the entropy's terms need ``z``), ``maximum`` joins
+    the per-lane term that takes the lse's place, ``exp(s raw + spread(s m - lse))``, and ``z`` is None. The
+    kernel (:func:`ce_pallas_tpu.backward._logit_cotangent`) and the label's term by rows
+    (:func:`ce_pallas_tpu.label_rows.label_rows`) both form ``p`` here, so that their roundings agree."""
+    if maximum is not None and cap is None and not keep_z:
+        if scale is not None:
+            raw, maximum = scale * raw, scale * maximum
+        return jnp.exp(raw + spread(maximum - lse)), None, None
+    z, t = soft_cap(raw if maximum is None else raw + spread(maximum), cap)
+    if scale is not None:
+        z = scale * z
+    return jnp.exp(z - lse), z, t
+
+
+def delta_row_terms(delta: jax.Array, g_sum: jax.Array | None, t: jax.Array | None,
+                    scale: jax.Array | None) -> jax.Array:
+    """``delta`` past its probability and label terms: plus the smoothing's ``g_sum``, times the cap's slope
+    ``1 - t^2`` and the row's ``scale`` (``1 / T``), in the kernel's order."""
+    if g_sum is not None:
+        delta = delta + g_sum
+    if t is not None:
+        delta = delta * (1.0 - t * t)
+    if scale is not None:
+        delta = delta * scale
+    return delta
 
 
 def resolve_precision(x_dtype, w_dtype, requested: str | None) -> str:

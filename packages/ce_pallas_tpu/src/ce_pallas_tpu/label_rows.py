@@ -39,24 +39,13 @@ def label_rows(logits: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Arra
     row = cfg.logits_row_block * cfg.block_b + jnp.arange(n)
     raw = logits[row, column].astype(jnp.float32)
     maximum = None if maxima is None else maxima[row, column // cfg.kept_block_v * LANES + column % LANES]
-    # The kernel's delta at the entry, in its order of operations (:func:`ce_pallas_tpu.backward._logit_cotangent`).
-    if maximum is not None and cfg.logit_soft_cap is None:  # bf16 kept logits, their lane maximum in the exponent
-        t, kept = None, raw
-        if row_scale is not None:
-            kept, maximum = row_scale[:, 0] * kept, row_scale[:, 0] * maximum
-        without = jnp.exp(kept + (maximum - lse[:, 0]))
-    else:
-        z, t = common.soft_cap(raw if maximum is None else raw + maximum, cfg.logit_soft_cap)
-        if row_scale is not None:
-            z = row_scale[:, 0] * z
-        without = jnp.exp(z - lse[:, 0])
-    with_term = without + g_label[:, 0]
-    if g_sum is not None:
-        with_term, without = with_term + g_sum[:, 0], without + g_sum[:, 0]
-    if t is not None:
-        with_term, without = with_term * (1.0 - t * t), without * (1.0 - t * t)
-    if row_scale is not None:
-        with_term, without = with_term * row_scale[:, 0], without * row_scale[:, 0]
+    scale = None if row_scale is None else row_scale[:, 0]
+    g_sum_row = None if g_sum is None else g_sum[:, 0]
+    # The kernel's delta at the entry, formed by the kernel's own steps (:func:`ce_pallas_tpu.backward.
+    # _logit_cotangent`): the probability, then with the label's term or without it the row terms.
+    without, _, t = common.logit_probability(raw, lse[:, 0], scale, cfg.logit_soft_cap, maximum)
+    with_term = common.delta_row_terms(without + g_label[:, 0], g_sum_row, t, scale)
+    without = common.delta_row_terms(without, g_sum_row, t, scale)
     share = with_term.astype(dtype).astype(jnp.float32) - without.astype(dtype).astype(jnp.float32)
     share = jnp.where(counted & (share != 0), share, 0.0)
 
