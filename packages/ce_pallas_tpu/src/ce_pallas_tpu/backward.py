@@ -664,7 +664,8 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
     # per-logit work goes into global column numbers.
     first = block * cfg.block_v
     col = jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, cfg.block_v), 1)
-    if z_ref is not None:  # bf16 kept logits: the lane maxima in the exponent's per-lane term, where they can be
+    # A kept block: float32, or bf16 below its lanes' maxima (logit_probability folds them back in).
+    if z_ref is not None:
         raw = z_ref[...] if m_ref is None else z_ref[...].astype(jnp.float32)
     else:
         product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
