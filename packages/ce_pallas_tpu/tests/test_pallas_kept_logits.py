@@ -105,6 +105,21 @@ def _spy(called: list, function, *args, **kwargs):
     return function(*args, **kwargs)
 
 
+def _kept_errors_with_v6e_fact(monkeypatch, fact: str, value: bool, spied: list, x, labels, w, options: dict,
+                               weights, expected: dict, dtype: str) -> tuple[float, float]:
+    """The kept path's ``(dx, dw)`` errors against ``expected`` with v6e's ``ChipFacts`` ``fact`` set to ``value``
+    (``spied``, a spy's list of configs, cleared first); its loss within the dtype's tolerance."""
+    from ce_pallas_tpu.target import CHIP_FACTS
+
+    monkeypatch.setitem(CHIP_FACTS, "v6e", dataclasses.replace(CHIP_FACTS["v6e"], **{fact: value}))
+    spied.clear()
+    jax.clear_caches()
+    loss, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=options, weights=weights)
+    assert max_rel_error(loss, expected["loss"]) <= TOLERANCES[dtype][0]
+    return (max_rel_error(dx.astype(jnp.float32), expected["dx"]),
+            max_rel_error(dw.astype(jnp.float32), expected["dw"]))
+
+
 def _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout: str) -> None:
     """The kept path's plain mean-loss gradients against the float64 oracle, and no race in the interpreter."""
     _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=dict(w_layout=layout), weights=None)
@@ -167,6 +182,54 @@ def test_the_kept_backwards_default_tiles_match_the_oracle(interpret, monkeypatc
         assert (plan.forward.block_b, plan.backward.block_b, plan.logits_shape[0]) == (336, 176, 352)
     assert plan.backward.nv == 2 and plan.backward.num_cores == 2
     _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout)
+
+
+# One row in the interpreter tier (at its budget), the other two in the slow tier.
+@pytest.mark.parametrize("layout,dtype,tiles", [
+    pytest.param("vh", "bfloat16", "default", marks=pytest.mark.interpreter),
+    pytest.param("hv", "float32", "default", marks=pytest.mark.slow),
+    pytest.param("vh", "float32", "explicit", marks=pytest.mark.slow)])
+def test_dx_held_transposed_where_the_hidden_size_pads_the_mxu(interpret, monkeypatch, layout, dtype, tiles):
+    """v6e's kept backward holds ``dx`` transposed where ``Hp`` is not a whole number of its MXU's 256
+    (:attr:`ce_pallas_tpu.backward.BackwardConfig.dx_transposed`): ``H`` 330 (``Hp`` 384), ragged in N and V,
+    several chunks; default tiles (one token block a chunk) or explicit ones (two 128-row blocks a chunk, so the
+    token blocks are runs of ``dx.T``'s lanes); bf16 with per-token temperatures, weights, the label's term by rows
+    and bf16 kept logits. Against the float64 oracle, race-checked, and as accurate as with ``dx`` untransposed.
+    The plan takes it at ``Hp`` 384 and not at 256, where nothing pads."""
+    from ce_pallas_tpu.backward import backward_call
+
+    interpret("v6e")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 256 if tiles == "explicit" else 64)
+    n, h, v = 300, 330, 1100
+    x, labels, w = _problem(31, n, h, v, layout, dtype)
+    options: dict = dict(w_layout=layout)
+    if tiles == "explicit":
+        options["block_sizes"] = BlockSizes(128, None, 256)
+    rng = np.random.default_rng(31)
+    weights = t = None
+    if dtype == "bfloat16":
+        weights = rng.uniform(-1.0, 2.0, n).astype(np.float32)
+        t = rng.uniform(0.5, 2.0, n).astype(np.float32)
+        options["temperature"] = jnp.asarray(t)
+    spec = StatsSpec(w_layout=layout, block_sizes=options.get("block_sizes"))
+    plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, spec)
+    assert plan.chunks > 1 and all(cfg.dx_transposed for cfg in plan.piece_configs("last")), plan
+    assert (plan.backward.nb == 2) == (tiles == "explicit")
+    assert not kept_logits.plan_chunks(n, 256, v, x.dtype, w.dtype, spec).backward.dx_transposed
+    expected = _oracle(x, labels, w, layout, options, weights, 1.0 if t is None else t)
+    called: list = []
+    monkeypatch.setattr(kept_logits, "backward_call",
+                        lambda *args, **kwargs: called.append(args[9]) or backward_call(*args, **kwargs))
+    errors = {}
+    for transposed in (True, False):
+        errors[transposed] = _kept_errors_with_v6e_fact(monkeypatch, "kept_dx_transposed", transposed, called, x,
+                                                        labels, w, options, weights, expected, dtype)
+        assert called and all(cfg.dx_transposed == transposed for cfg in called), called
+        assert max(errors[transposed]) <= TOLERANCES[dtype][1], errors
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    for held_transposed, as_rows in zip(errors[True], errors[False], strict=True):
+        assert held_transposed <= 1.05 * as_rows + 1e-6, errors
 
 
 @pytest.mark.slow  # 8 s in the race-checked interpreter; the fast tier runs the kept path in the covering rows
@@ -840,6 +903,27 @@ def test_v6e_adds_a_tied_heads_label_term_by_rows_and_compiles():
     assert kept.temp_bytes <= recompute.temp_bytes + one.extra_bytes + 2 * untuned * h, (kept.temp_bytes, one)
 
 
+@pytest.mark.slow
+@pytest.mark.rotating(shares=2)  # one layout a CI run, the other the next (conftest.rotate)
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_v6e_holds_dx_transposed_at_a_hidden_size_that_pads_its_mxu_and_compiles(layout):
+    """v6e's plan for Qwen2.5-0.5B's width (``H`` 896, 3.5 of the MXU's 256; a quarter of its vocabulary) holds the
+    kept backward's ``dx`` transposed (``dx_transposed``: Mosaic lowers ``w.T @ delta.T`` from a ``[V, H]`` block and
+    ``w @ delta.T`` from an ``[H, V]`` one), and ``value_and_grad`` compiles for v6e within the kept path's memory:
+    the recompute step's plus the plan's extra bytes, a bf16 ``dx`` and the transposed partial's float32 copy."""
+    from ce_pallas_tpu.target import targeting
+    from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
+
+    n, h, v, bf16 = 4096, 896, 37984, jnp.bfloat16
+    with targeting("v6e"):
+        plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, StatsSpec(w_layout=layout))
+    assert all(cfg.dx_transposed for role in ("only", "first", "middle", "last") for cfg in plan.piece_configs(role))
+    recompute = compile_loss_and_grads("v6e", n, h, v, keep_logits=False, w_layout=layout)
+    kept = compile_loss_and_grads("v6e", n, h, v, keep_logits=True, w_layout=layout)
+    assert recompute.temp_bytes is not None and kept.temp_bytes is not None
+    assert kept.temp_bytes <= recompute.temp_bytes + plan.extra_bytes + (2 + 4) * n * h, (kept.temp_bytes, plan)
+
+
 @pytest.mark.covering(layout=("hv", "vh"), extras=("plain", "z_loss+smoothing", "weights"),
                       tiles=("explicit", "default", "wider_backward", "wider_forward"), fast=1)
 def test_bf16_kept_logits_below_their_lane_maxima_are_as_accurate_as_float32_ones(interpret, monkeypatch, layout,
@@ -854,7 +938,6 @@ def test_bf16_kept_logits_below_their_lane_maxima_are_as_accurate_as_float32_one
     for Qwen3-0.6B and Qwen2.5-0.5B do), ``wider_forward`` the backward's (two steps read one block's). A
     soft-capped head keeps float32 logits (:func:`ce_pallas_tpu.kept_logits._kept_in_bf16`)."""
     from ce_pallas_tpu.forward import forward_call
-    from ce_pallas_tpu.target import CHIP_FACTS
 
     interpret("v6e")
     monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 32)
@@ -885,14 +968,9 @@ def test_bf16_kept_logits_below_their_lane_maxima_are_as_accurate_as_float32_one
     expected = _oracle(x, labels, w, layout, options, weights, t)
     errors = {}
     for in_bf16 in (True, False):
-        monkeypatch.setitem(CHIP_FACTS, "v6e", dataclasses.replace(CHIP_FACTS["v6e"], kept_logits_bf16=in_bf16))
-        kept_configs.clear()
-        jax.clear_caches()
-        loss, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=options, weights=weights)
+        errors[in_bf16] = _kept_errors_with_v6e_fact(monkeypatch, "kept_logits_bf16", in_bf16, kept_configs, x, labels,
+                                                     w, options, weights, expected, "bfloat16")
         assert kept_configs and all(cfg.kept_bf16 == in_bf16 for cfg in kept_configs), kept_configs
-        assert max_rel_error(loss, expected["loss"]) <= TOLERANCES["bfloat16"][0]
-        errors[in_bf16] = (max_rel_error(dx.astype(jnp.float32), expected["dx"]),
-                           max_rel_error(dw.astype(jnp.float32), expected["dw"]))
         races = interpret_pallas_call.races
         assert races is not None and not races.races_found
     for below_maxima, as_float32 in zip(errors[True], errors[False], strict=True):

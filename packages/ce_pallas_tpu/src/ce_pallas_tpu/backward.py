@@ -101,6 +101,13 @@ class BackwardConfig(common.KernelConfig):
     #: its block as it is instead of transposing the block's ``x`` rows at every step. The plan sets it
     #: where the schedule measured a gain (:attr:`ce_pallas_tpu.target.ChipFacts.kept_x_transposed`).
     x_transposed: bool = False
+    #: Kept-logits mode, the hidden size whole: the chunk's resident ``dx`` held transposed (``[Hp, Np]``) and
+    #: formed as ``w.T @ delta.T``, so that ``Hp`` is the product's streamed side, not its output columns: on a
+    #: 256-wide MXU an ``Hp`` that is not a multiple of 256 (Qwen2.5-0.5B's 896) then costs its own rows instead of
+    #: a whole last 256. The partials leave the kernel ``[cores, Hp, Np]`` and XLA transposes them back
+    #: (:func:`backward_call`). The plan sets it where the schedule measured a gain
+    #: (:attr:`ce_pallas_tpu.target.ChipFacts.kept_dx_transposed`).
+    dx_transposed: bool = False
     #: Kept-logits mode, a chunk not adding onto the running sum (the first, or the only one): its ``dw`` slots
     #: start at zero by a DMA from a zero block in HBM, started as the running sum's reads are (a block ahead),
     #: instead of a vector pass over the slot at each vocab block's first step. The plan sets it where the
@@ -304,7 +311,8 @@ def _kept_kernel(x_ref, w_ref, z_refs, rows: _Rows, running_in, dw_hbm, dxp_hbm,
         return d, delta_write
 
     def dx(d: jax.Array) -> None:
-        _dx_resident_step(w_ref, d, dx_acc.at[_token_rows(i, cfg)], jj, cfg)
+        rows = _token_rows(i, cfg)
+        _dx_resident_step(w_ref, d, dx_acc.at[:, rows] if cfg.dx_transposed else dx_acc.at[rows], jj, cfg)
 
     def write_dw() -> None:
         if cfg.dw_to_running:
@@ -515,14 +523,20 @@ def _prepare_resident_x(x_ref, jj, i, cfg: BackwardConfig) -> None:
 def _dx_resident_step(w_ref, d: jax.Array, dx_rows, jj, cfg: BackwardConfig) -> None:
     """Kept-logits mode: the core's dx partial of the whole chunk stays in VMEM across its vocab blocks
     (no HBM round trip per step); this token block's rows zeroed at the core's first vocab block, and
-    the product added unconditionally, so the MXU result goes straight into them."""
+    the product added unconditionally, so the MXU result goes straight into them. With
+    :attr:`BackwardConfig.dx_transposed` the rows are columns of ``dx.T``, and the product ``w.T @ delta.T``."""
 
     @pl.when(jj == 0)
     def _():
         dx_rows[...] = jnp.zeros(dx_rows.shape, jnp.float32)
 
     for chunk in _hidden_chunks(cfg):
-        if cfg.w_layout == "vh":
+        if cfg.dx_transposed:
+            if cfg.w_layout == "vh":
+                dx_rows[chunk, :] += common.matmul_tt(w_ref[:, chunk], d, cfg.precision)
+            else:
+                dx_rows[chunk, :] += common.matmul_nt(w_ref[chunk, :], d, cfg.precision)
+        elif cfg.w_layout == "vh":
             dx_rows[:, chunk] += common.matmul(d, w_ref[:, chunk], cfg.precision)
         else:
             dx_rows[:, chunk] += common.matmul_nt(d, w_ref[chunk, :], cfg.precision)
@@ -532,7 +546,10 @@ def _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, h, cfg: BackwardConfi
     """At the core's last vocab block, each token block's finished dx rows (of hidden tile ``h``) copied to
     the core's partial."""
     rows = _token_rows(i, cfg)
-    copy = pltpu.make_async_copy(dx_acc.at[rows], dxp_hbm.at[core, rows, _hidden_entries(h, cfg)], sems.at[1])
+    if cfg.dx_transposed:
+        copy = pltpu.make_async_copy(dx_acc.at[:, rows], dxp_hbm.at[core, _hidden_entries(h, cfg), rows], sems.at[1])
+    else:
+        copy = pltpu.make_async_copy(dx_acc.at[rows], dxp_hbm.at[core, rows, _hidden_entries(h, cfg)], sems.at[1])
 
     @pl.when(jj == cfg.nv_per_core - 1)
     def _():
@@ -880,6 +897,10 @@ def backward_call(
         raise ValueError("backward_call: delta_over_logits needs the kept-logits mode in hidden tiles")
     if cfg.x_transposed and not (cfg.kept_logits and cfg.w_layout == "hv"):
         raise ValueError("backward_call: x_transposed needs the kept-logits mode and an [H, V] head")
+    if cfg.dx_transposed and not (cfg.kept_logits and cfg.hidden_split == 1
+                                  and (cfg.nb == 1 or cfg.block_b % LANES == 0)):
+        raise ValueError("backward_call: dx_transposed needs the kept-logits mode, the hidden size whole and token "
+                         f"blocks of whole lanes ({LANES}) where there are several")
     if cfg.cotangent_in_exponent and not (cfg.kept_logits and not cfg.with_expected):
         raise ValueError("backward_call: cotangent_in_exponent needs the kept-logits mode without the entropy's terms")
     if cfg.label_rows and not (cfg.cotangent_in_exponent and cfg.w_layout == "vh"):
@@ -938,7 +959,8 @@ def backward_call(
     axes, operands = common.per_device_operands(operands, cfg.interpret)
     out_shape = [
         common.out_type(dw_shape, dw_dtype, axes),
-        common.out_type((cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
+        common.out_type((cfg.num_cores, cfg.hp, cfg.padded_n) if cfg.dx_transposed
+                        else (cfg.num_cores, cfg.padded_n, cfg.hp), jnp.float32, axes),
     ]
     if cfg.delta_over_logits:
         assert kept is not None
@@ -947,7 +969,9 @@ def backward_call(
     if cfg.kept_logits:
         scratch = [
             pltpu.VMEM((2, *cfg.dw_acc_shape), jnp.float32),  # dw: two slots the running sum's DMAs fill and empty
-            pltpu.VMEM((cfg.padded_n, cfg.hidden_tile), jnp.float32),  # the chunk's dx partial, resident
+            # the chunk's dx partial, resident
+            pltpu.VMEM((cfg.hidden_tile, cfg.padded_n) if cfg.dx_transposed else (cfg.padded_n, cfg.hidden_tile),
+                       jnp.float32),
             pltpu.SemaphoreType.DMA((4,)),  # dw in, dx out, dw out, delta over the kept logits
         ]
         if not cfg.dw_to_running:
@@ -983,6 +1007,8 @@ def backward_call(
         ),
         name="ce_pallas_tpu_backward",
     )(*operands)
+    if cfg.dx_transposed:
+        dx_partials = jnp.swapaxes(dx_partials, 1, 2)
     if kept is None:
         return dx_partials, dw, None
     return dx_partials, dw, after[0] if after else kept[0]

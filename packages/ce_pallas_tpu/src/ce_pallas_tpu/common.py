@@ -157,6 +157,11 @@ def matmul_nt(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
     return _dot(a, b, ((1,), (1,)), precision)
 
 
+def matmul_tt(a: jax.Array, b: jax.Array, precision: str) -> jax.Array:
+    """``a.T @ b.T`` accumulated in float32 (contracts ``a``'s leading dim with ``b``'s trailing one)."""
+    return _dot(a, b, ((0,), (1,)), precision)
+
+
 def zero_hidden_tail(x_ref, w_ref, hidden: int, hp: int) -> None:
     """Zero the hidden columns of an ``x`` block and rows of a ``w`` block at or past ``hidden``.
 

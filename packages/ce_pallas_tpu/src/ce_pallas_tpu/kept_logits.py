@@ -16,7 +16,9 @@ beyond), and for each chunk:
    running sum, whose blocks DMAs bring into two VMEM slots and write back in place. A wide head's backward
    takes the hidden size in tiles, each a walk over the vocabulary; on v5p and v6e the first writes
    ``delta`` over the kept logits and the others read it back (``BackwardConfig.delta_over_logits``). An
-   ``[H, V]`` head's chunk ``x`` is held transposed on v5p and v6e (``BackwardConfig.x_transposed``). Where the
+   ``[H, V]`` head's chunk ``x`` is held transposed on v5p and v6e (``BackwardConfig.x_transposed``), and on v6e
+   a hidden size that is not a whole number of its MXU's 256 holds ``dx`` transposed too
+   (``BackwardConfig.dx_transposed``). Where the
    whole hidden size fits VMEM only for fewer rows than the forward's chunk, the backward may instead run over
    pieces of the chunk, a call per piece reading its rows of the kept logits (``KeptPlan.pieces``). The first
    backward call starts that sum (its slots start at zero: on v6e read from a zero block by the same DMAs,
@@ -653,6 +655,11 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
         cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
     if cfg.x_transposed and cfg.nb > 1 and cfg.block_b % LANES:  # a token block of x.T is a run of its lanes
         cfg = dataclasses.replace(cfg, x_transposed=False)
+    # dx held transposed where Hp would pad the dx product's output columns to the MXU's side (and, as x.T's,
+    # a token block of dx.T is a run of its lanes).
+    if (facts is not None and facts.kept_dx_transposed and split == 1 and cfg.hp % facts.mxu_side
+            and (cfg.nb == 1 or cfg.block_b % LANES == 0)):
+        cfg = dataclasses.replace(cfg, dx_transposed=True)
     return cfg
 
 
