@@ -108,6 +108,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
                                     "backward_tiles": [plan.backward.block_b, plan.backward.block_h,
                                                        plan.backward.block_v],
                                     "backward_cores": plan.backward.num_cores,
+                                    "backward_hp": plan.backward.hp,
                                     "backward_x_transposed": plan.backward.x_transposed,
                                     "backward_label_rows": plan.backward.label_rows,
                                     "pieces": list(plan.pieces)}
@@ -399,7 +400,8 @@ def rows() -> list[dict]:
             # (the cores' float32 partials read, the bf16 dx piece read and written: cores*4*C*Hp + 4*C*H bytes)
             # at the core's HBM bandwidth. For reference, what the zeroing (4 Hp Vp written) and the slice and
             # cast (4 H V read, 2 H V written) cost before that commit.
-            hp = plan["running_dw_shape"][0] if lay == "hv" else plan["running_dw_shape"][1]
+            # (Records before the running dw could be held transposed name no Hp: their running dw is in w's layout.)
+            hp = plan.get("backward_hp", plan["running_dw_shape"][0 if lay == "hv" else 1])
             dw_bytes = 4 * hp_vp + 4 * h * v + 2 * h * v
             dx_bytes = plan["chunks"] * (plan["backward_cores"] * 4 * chunk * hp + 4 * chunk * h)
             if plan.get("backward_x_transposed"):  # the chunk's x transposed for the backward: bf16 read, written

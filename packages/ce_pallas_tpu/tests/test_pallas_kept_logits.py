@@ -105,6 +105,19 @@ def _spy(called: list, function, *args, **kwargs):
     return function(*args, **kwargs)
 
 
+def _config_spy(monkeypatch, name: str, config_index: int) -> list:
+    """``kept_logits.<name>`` (a kernel's call) replaced by a spy that records each call's config, its
+    ``config_index``-th argument, and calls through; returns the list of configs."""
+    function, configs = getattr(kept_logits, name), []
+
+    def spy(*args, **kwargs):
+        configs.append(args[config_index])
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(kept_logits, name, spy)
+    return configs
+
+
 def _kept_errors_with_v6e_fact(monkeypatch, fact: str, value: bool, spied: list, x, labels, w, options: dict,
                                weights, expected: dict, dtype: str) -> tuple[float, float]:
     """The kept path's ``(dx, dw)`` errors against ``expected`` with v6e's ``ChipFacts`` ``fact`` set to ``value``
@@ -196,8 +209,6 @@ def test_dx_held_transposed_where_the_hidden_size_pads_the_mxu(interpret, monkey
     token blocks are runs of ``dx.T``'s lanes); bf16 with per-token temperatures, weights, the label's term by rows
     and bf16 kept logits. Against the float64 oracle, race-checked, and as accurate as with ``dx`` untransposed.
     The plan takes it at ``Hp`` 384 and not at 256, where nothing pads."""
-    from ce_pallas_tpu.backward import backward_call
-
     interpret("v6e")
     monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 256 if tiles == "explicit" else 64)
     n, h, v = 300, 330, 1100
@@ -217,9 +228,7 @@ def test_dx_held_transposed_where_the_hidden_size_pads_the_mxu(interpret, monkey
     assert (plan.backward.nb == 2) == (tiles == "explicit")
     assert not kept_logits.plan_chunks(n, 256, v, x.dtype, w.dtype, spec).backward.dx_transposed
     expected = _oracle(x, labels, w, layout, options, weights, 1.0 if t is None else t)
-    called: list = []
-    monkeypatch.setattr(kept_logits, "backward_call",
-                        lambda *args, **kwargs: called.append(args[9]) or backward_call(*args, **kwargs))
+    called = _config_spy(monkeypatch, "backward_call", 9)
     errors = {}
     for transposed in (True, False):
         errors[transposed] = _kept_errors_with_v6e_fact(monkeypatch, "kept_dx_transposed", transposed, called, x,
@@ -230,6 +239,64 @@ def test_dx_held_transposed_where_the_hidden_size_pads_the_mxu(interpret, monkey
         assert races is not None and not races.races_found
     for held_transposed, as_rows in zip(errors[True], errors[False], strict=True):
         assert held_transposed <= 1.05 * as_rows + 1e-6, errors
+
+
+#: The dw test's tiles: ``(CHUNK_TOKENS, explicit token block or None, chunks, token blocks a chunk, roles)``.
+_DW_TRANSPOSED_TILES = {
+    "default": (64, None, 5, 1, ("first", "middle", "last")),  # one token block a chunk
+    "explicit": (256, 128, 2, 2, ("first", "last")),  # two whole 128-row blocks a chunk
+    "ragged_blocks": (512, 128, 1, 3, ("only",)),  # one chunk of 300 rows in three blocks, the last of 44
+}
+
+
+# Every row in the slow tier (the interpreter tier is at its budget).
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,tiles", [("bfloat16", "default"), ("float32", "explicit"),
+                                         ("float32", "ragged_blocks")])
+def test_tied_heads_dw_held_transposed_where_the_hidden_size_pads_the_mxu(interpret, monkeypatch, dtype, tiles):
+    """v6e's kept backward of a ``[V, H]`` head holds ``dw`` as ``[Hp, V]`` (slots and running sum) and ``x``
+    transposed where ``Hp`` is not a whole number of its MXU's 256
+    (:attr:`ce_pallas_tpu.backward.BackwardConfig.kept_dw_transposed`), the label's term in ``delta``: ``H`` 384,
+    ragged in N and V; several chunks (the running sum read and written transposed, the last chunk's tiles
+    transposed as they are staged) of one token block or of two whole 128-row ones, or one chunk of three 128-row
+    blocks whose last is ragged (as v6e's plan takes 1,000 tokens: four of 256), ``dx`` held transposed too; bf16
+    with per-token temperatures, signed weights and bf16 kept logits. Against the float64 oracle, race-checked,
+    and as accurate as the untransposed form (with its label rows). The plan takes it at ``Hp`` 384 and not at
+    256, where nothing pads, nor at 330, which is not whole lanes."""
+    interpret("v6e")
+    chunk_tokens, block_b, chunks, blocks, roles = _DW_TRANSPOSED_TILES[tiles]
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", chunk_tokens)
+    n, h, v = 300, 384, 1100
+    x, labels, w = _problem(37, n, h, v, "vh", dtype)
+    options: dict = dict(w_layout="vh")
+    if block_b is not None:
+        options["block_sizes"] = BlockSizes(block_b, None, 256)
+    rng = np.random.default_rng(37)
+    weights = t = None
+    if dtype == "bfloat16":
+        weights = rng.uniform(-1.0, 2.0, n).astype(np.float32)
+        t = rng.uniform(0.5, 2.0, n).astype(np.float32)
+        options["temperature"] = jnp.asarray(t)
+    spec = StatsSpec(w_layout="vh", block_sizes=options.get("block_sizes"))
+    plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, spec)
+    assert (plan.chunks, plan.backward.nb) == (chunks, blocks), plan
+    assert plan.running_dw_shape == (h, plan.backward.nv * plan.backward.block_v), plan
+    assert all(cfg.kept_dw_transposed and cfg.dx_transposed and cfg.x_transposed and not cfg.label_rows
+               for role in roles for cfg in plan.piece_configs(role)), plan
+    for other in (256, 330):
+        assert not kept_logits.plan_chunks(n, other, v, x.dtype, w.dtype, spec).backward.kept_dw_transposed
+    expected = _oracle(x, labels, w, "vh", options, weights, 1.0 if t is None else t)
+    called = _config_spy(monkeypatch, "backward_call", 9)
+    errors = {}
+    for transposed in (True, False):
+        errors[transposed] = _kept_errors_with_v6e_fact(monkeypatch, "kept_dw_transposed", transposed, called, x,
+                                                        labels, w, options, weights, expected, dtype)
+        assert called and all(cfg.kept_dw_transposed == transposed for cfg in called), called
+        assert max(errors[transposed]) <= TOLERANCES[dtype][1], errors
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    for held_transposed, in_w_layout in zip(errors[True], errors[False], strict=True):
+        assert held_transposed <= 1.05 * in_w_layout + 1e-6, errors
 
 
 @pytest.mark.slow  # 8 s in the race-checked interpreter; the fast tier runs the kept path in the covering rows
@@ -909,15 +976,18 @@ def test_v6e_adds_a_tied_heads_label_term_by_rows_and_compiles():
 def test_v6e_holds_dx_transposed_at_a_hidden_size_that_pads_its_mxu_and_compiles(layout):
     """v6e's plan for Qwen2.5-0.5B's width (``H`` 896, 3.5 of the MXU's 256; a quarter of its vocabulary) holds the
     kept backward's ``dx`` transposed (``dx_transposed``: Mosaic lowers ``w.T @ delta.T`` from a ``[V, H]`` block and
-    ``w @ delta.T`` from an ``[H, V]`` one), and ``value_and_grad`` compiles for v6e within the kept path's memory:
-    the recompute step's plus the plan's extra bytes, a bf16 ``dx`` and the transposed partial's float32 copy."""
+    ``w @ delta.T`` from an ``[H, V]`` one), a ``[V, H]`` head's ``dw`` too (``kept_dw_transposed``: ``x.T @ delta``
+    into ``[Hp, block_v]`` slots, each finished tile transposed on its way out), and ``value_and_grad`` compiles for
+    v6e within the kept path's memory: the recompute step's plus the plan's extra bytes, a bf16 ``dx`` and the
+    transposed partial's float32 copy."""
     from ce_pallas_tpu.target import targeting
     from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
 
     n, h, v, bf16 = 4096, 896, 37984, jnp.bfloat16
     with targeting("v6e"):
         plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, StatsSpec(w_layout=layout))
-    assert all(cfg.dx_transposed for role in ("only", "first", "middle", "last") for cfg in plan.piece_configs(role))
+    assert all(cfg.dx_transposed and cfg.kept_dw_transposed == (layout == "vh")
+               for role in ("only", "first", "middle", "last") for cfg in plan.piece_configs(role))
     recompute = compile_loss_and_grads("v6e", n, h, v, keep_logits=False, w_layout=layout)
     kept = compile_loss_and_grads("v6e", n, h, v, keep_logits=True, w_layout=layout)
     assert recompute.temp_bytes is not None and kept.temp_bytes is not None
@@ -937,8 +1007,6 @@ def test_bf16_kept_logits_below_their_lane_maxima_are_as_accurate_as_float32_one
     2048; ``wider_backward`` halves the forward's (a backward step reads two blocks' lane maxima, as v6e's plans
     for Qwen3-0.6B and Qwen2.5-0.5B do), ``wider_forward`` the backward's (two steps read one block's). A
     soft-capped head keeps float32 logits (:func:`ce_pallas_tpu.kept_logits._kept_in_bf16`)."""
-    from ce_pallas_tpu.forward import forward_call
-
     interpret("v6e")
     monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", 32)
     n, h, v = 45, 200, 300 if tiles == "explicit" else 2200  # default tiles: one block of 300, not whole lanes
@@ -962,9 +1030,7 @@ def test_bf16_kept_logits_below_their_lane_maxima_are_as_accurate_as_float32_one
         weights[::7] = 0.0
     t = rng.uniform(0.5, 2.0, n).astype(np.float32)
     options["temperature"] = jnp.asarray(t)
-    kept_configs: list = []
-    monkeypatch.setattr(kept_logits, "forward_call",
-                        lambda *args, **kwargs: kept_configs.append(args[3]) or forward_call(*args, **kwargs))
+    kept_configs = _config_spy(monkeypatch, "forward_call", 3)
     expected = _oracle(x, labels, w, layout, options, weights, t)
     errors = {}
     for in_bf16 in (True, False):

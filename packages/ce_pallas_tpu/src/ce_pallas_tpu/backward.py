@@ -14,7 +14,8 @@ cotangent above is multiplied by ``s_i cap'(u)`` instead of ``cap'(u)``.
 ``w``'s layout): every product contracts in place, and no ``[V, H]`` array is transposed or copied.
 Where ``Hp`` is not a whole number of the MXU's width (``BackwardConfig.dw_transposed``), the ``dw``
 tile is accumulated as ``x.T @ delta`` instead and only the finished tile is transposed, once per
-vocab block.
+vocab block (kept-logits mode, ``BackwardConfig.kept_dw_transposed``: the float32 running sum between chunks is
+held so too, and only the last chunk's tiles are transposed).
 
 Grid ``(cores, vocab blocks per core, token blocks)``, token blocks innermost:
 
@@ -108,6 +109,14 @@ class BackwardConfig(common.KernelConfig):
     #: (:func:`backward_call`). The plan sets it where the schedule measured a gain
     #: (:attr:`ce_pallas_tpu.target.ChipFacts.kept_dx_transposed`).
     dx_transposed: bool = False
+    #: Kept-logits mode, ``[V, H]`` head, the hidden size whole: ``dw`` held as ``[Hp, V]`` (the ``[H, V]`` head's
+    #: layout) in the VMEM slots and the float32 running sum between chunks, formed as ``x.T @ delta`` from ``x``
+    #: held transposed (:attr:`x_transposed`), so that ``Hp`` is the product's streamed side, not its padded output
+    #: columns, and no block of ``x`` or ``delta`` is transposed for the product; the last chunk transposes each
+    #: finished tile as it stages it in ``w``'s layout (:func:`_stage_dw`). The label's term then goes into ``delta``
+    #: (no :attr:`label_rows`: they add rows of a ``[V, H]`` tile). The plan sets it where the schedule measured a
+    #: gain (:attr:`ce_pallas_tpu.target.ChipFacts.kept_dw_transposed`).
+    kept_dw_transposed: bool = False
     #: Kept-logits mode, a chunk not adding onto the running sum (the first, or the only one): its ``dw`` slots
     #: start at zero by a DMA from a zero block in HBM, started as the running sum's reads are (a block ahead),
     #: instead of a vector pass over the slot at each vocab block's first step. The plan sets it where the
@@ -161,8 +170,10 @@ class BackwardConfig(common.KernelConfig):
         half empty, an eighth of that product wasted; ``x.T @ delta`` has ``block_v`` there (v6e,
         Qwen2.5-0.5B's tied RL backward: 1.168 -> 1.136 of the MXU minimum,
         docs/notes/2026-11-27-tied-heads-backwards.md)."""
+        if self.kept_logits:
+            return self.kept_dw_transposed
         return (self.w_layout == "vh" and self.hidden == self.hp and self.hp % self.mxu_side != 0
-                and self.block_v % self.mxu_side == 0 and not self.kept_logits)
+                and self.block_v % self.mxu_side == 0)
 
     @property
     def dw_acc_shape(self) -> tuple[int, int]:
@@ -445,10 +456,23 @@ def _running_dw_copy(dw_hbm, dw_slots, sems, block, slot, h, cfg: BackwardConfig
         return pltpu.make_async_copy(dw_hbm, dw_slots.at[slot], sems.at[0])
     first = 0 if cfg.nv == 1 else pl.multiple_of(block * cfg.block_v, cfg.block_v)
     entries, hidden = pl.ds(first, cfg.block_v), _hidden_entries(h, cfg)
-    window = dw_hbm.at[entries, hidden] if cfg.w_layout == "vh" else dw_hbm.at[hidden, entries]
+    window = dw_hbm.at[hidden, entries] if _running_dw_is_hv(cfg) else dw_hbm.at[entries, hidden]
     if read:
         return pltpu.make_async_copy(window, dw_slots.at[slot], sems.at[0])
     return pltpu.make_async_copy(dw_slots.at[slot], window, sems.at[2])
+
+
+def _running_dw_is_hv(cfg: BackwardConfig) -> bool:
+    """Whether the running float32 ``dw`` (and each slot) is ``[Hp, V]``: an ``[H, V]`` head's, or a ``[V, H]`` one's
+    held transposed (:attr:`BackwardConfig.kept_dw_transposed`)."""
+    return cfg.w_layout == "hv" or cfg.kept_dw_transposed
+
+
+def running_dw_shape(cfg: BackwardConfig) -> tuple[int, int]:
+    """The float32 running ``dw`` of a kept backward: whole vocab blocks by ``Hp``, in ``w``'s layout or held
+    transposed (:attr:`BackwardConfig.kept_dw_transposed`)."""
+    entries = cfg.nv * cfg.block_v
+    return (cfg.hp, entries) if _running_dw_is_hv(cfg) else (entries, cfg.hp)
 
 
 def _core_last_block(jj, block, cfg: BackwardConfig):
@@ -545,11 +569,10 @@ def _dx_resident_step(w_ref, d: jax.Array, dx_rows, jj, cfg: BackwardConfig) -> 
 def _write_resident_dx(dx_acc, dxp_hbm, sems, core, jj, i, h, cfg: BackwardConfig) -> None:
     """At the core's last vocab block, each token block's finished dx rows (of hidden tile ``h``) copied to
     the core's partial."""
-    rows = _token_rows(i, cfg)
-    if cfg.dx_transposed:
-        copy = pltpu.make_async_copy(dx_acc.at[:, rows], dxp_hbm.at[core, _hidden_entries(h, cfg), rows], sems.at[1])
-    else:
-        copy = pltpu.make_async_copy(dx_acc.at[rows], dxp_hbm.at[core, rows, _hidden_entries(h, cfg)], sems.at[1])
+    rows, hidden = _token_rows(i, cfg), _hidden_entries(h, cfg)
+    source, destination = ((dx_acc.at[:, rows], dxp_hbm.at[core, hidden, rows]) if cfg.dx_transposed
+                           else (dx_acc.at[rows], dxp_hbm.at[core, rows, hidden]))
+    copy = pltpu.make_async_copy(source, destination, sems.at[1])
 
     @pl.when(jj == cfg.nv_per_core - 1)
     def _():
@@ -654,10 +677,9 @@ def _row_values(rows: _Rows, i, cfg: BackwardConfig) -> _Rows:
     def zeroed(value, past_n=0.0):
         return None if value is None else jnp.where(row_ok, value, jnp.full((), past_n, value.dtype))
 
-    zeroed_rows = _Rows(values.y, *(zeroed(value) for value in values[1:]))  # a garbage label meets g_label = 0
-    if cfg.cotangent_in_exponent:
-        return zeroed_rows._replace(lse=zeroed(values.lse, jnp.inf))
-    return zeroed_rows
+    fill = {"lse": jnp.inf} if cfg.cotangent_in_exponent else {}  # a row's value past N, 0 unless named
+    # (A garbage label meets g_label = 0.)
+    return _Rows(values.y, *(zeroed(getattr(values, name), fill.get(name, 0.0)) for name in _Rows._fields[1:]))
 
 
 def _across_block(per_lane: jax.Array, cfg: BackwardConfig) -> jax.Array:
@@ -895,8 +917,13 @@ def backward_call(
                          f"block_h={cfg.block_h} divides")
     if cfg.delta_over_logits and not (cfg.kept_logits and cfg.hidden_split > 1):
         raise ValueError("backward_call: delta_over_logits needs the kept-logits mode in hidden tiles")
-    if cfg.x_transposed and not (cfg.kept_logits and cfg.w_layout == "hv"):
-        raise ValueError("backward_call: x_transposed needs the kept-logits mode and an [H, V] head")
+    if cfg.x_transposed and not (cfg.kept_logits and (cfg.w_layout == "hv" or cfg.kept_dw_transposed)):
+        raise ValueError("backward_call: x_transposed needs the kept-logits mode and an [H, V] head, or dw held "
+                         "transposed")
+    if cfg.kept_dw_transposed and not (cfg.kept_logits and cfg.w_layout == "vh" and cfg.hidden == cfg.hp
+                                       and cfg.hidden_split == 1 and not cfg.label_rows):
+        raise ValueError("backward_call: kept_dw_transposed needs the kept-logits mode, a [V, H] head, the hidden "
+                         f"size whole and a multiple of {LANES}, and no label_rows")
     if cfg.dx_transposed and not (cfg.kept_logits and cfg.hidden_split == 1
                                   and (cfg.nb == 1 or cfg.block_b % LANES == 0)):
         raise ValueError("backward_call: dx_transposed needs the kept-logits mode, the hidden size whole and token "
@@ -921,7 +948,7 @@ def backward_call(
         if kept is None:
             raise ValueError("backward_call: cfg.kept_logits needs kept=(logits, running_dw)")
         logits, running = kept
-        padded = (cfg.nv * cfg.block_v, cfg.hp) if cfg.w_layout == "vh" else (cfg.hp, cfg.nv * cfg.block_v)
+        padded = running_dw_shape(cfg)
         if cfg.dw_from_running != (running is not None):
             raise ValueError("backward_call: running_dw must be given exactly when cfg.dw_from_running")
         if running is not None and (running.shape != padded or running.dtype != jnp.float32):

@@ -18,7 +18,8 @@ beyond), and for each chunk:
    ``delta`` over the kept logits and the others read it back (``BackwardConfig.delta_over_logits``). An
    ``[H, V]`` head's chunk ``x`` is held transposed on v5p and v6e (``BackwardConfig.x_transposed``), and on v6e
    a hidden size that is not a whole number of its MXU's 256 holds ``dx`` transposed too
-   (``BackwardConfig.dx_transposed``). Where the
+   (``BackwardConfig.dx_transposed``), and a ``[V, H]`` head's ``dw`` and ``x`` as well
+   (``BackwardConfig.kept_dw_transposed``). Where the
    whole hidden size fits VMEM only for fewer rows than the forward's chunk, the backward may instead run over
    pieces of the chunk, a call per piece reading its rows of the kept logits (``KeptPlan.pieces``). The first
    backward call starts that sum (its slots start at zero: on v6e read from a zero block by the same DMAs,
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 from ce_core import CotangentFn, RowStats, StatsSpec, UnsupportedError
 from ce_core.extend import vary_like
 from ce_pallas_tpu import common, cost_model, tiling
-from ce_pallas_tpu.backward import BackwardConfig, backward_call
+from ce_pallas_tpu.backward import BackwardConfig, backward_call, running_dw_shape
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, kept_maxima_shape
 from ce_pallas_tpu.label_rows import label_rows
 from ce_pallas_tpu.layout import LANES, cdiv, round_up
@@ -134,7 +135,9 @@ class KeptPlan:
     forward: ForwardConfig
     backward: BackwardConfig  # the backward of a chunk, or of its longest piece (``pieces``)
     logits_shape: tuple[int, int]  # the kept logits buffer of one chunk (both kernels' blocks)
-    running_dw_shape: tuple[int, int]  # float32 dw in w's layout, padded to whole backward vocab blocks and Hp
+    #: float32 dw in w's layout (or held transposed: ``BackwardConfig.kept_dw_transposed``), padded to whole
+    #: backward vocab blocks and Hp
+    running_dw_shape: tuple[int, int]
     #: The backward's pieces of a chunk, in rows (summing to ``chunk``; ``()``: one piece, the chunk). Each is
     #: a backward call over its rows of the chunk's kept logits, the float32 running ``dw`` passing between
     #: them as between chunks: the forward takes a chunk too long for the backward's resident ``x`` and
@@ -328,9 +331,7 @@ def _plan(n: int, h: int, v: int, spec: StatsSpec, forward: ForwardConfig, backw
     columns = max(forward.num_cores * forward.nv_per_core * forward.block_v,
                   backward.num_cores * backward.nv_per_core * backward.block_v)
     columns = round_up(columns, math.lcm(forward.block_v, backward.block_v))  # a few blocks at most
-    dw_entries = backward.nv * backward.block_v
-    running = (dw_entries, backward.hp) if spec.w_layout == "vh" else (backward.hp, dw_entries)
-    return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running, pieces)
+    return KeptPlan(n, h, v, chunk, forward, backward, (rows, columns), running_dw_shape(backward), pieces)
 
 
 def _piece_rows(chunk: int, longest: int, block_b: int) -> tuple[int, ...]:
@@ -657,9 +658,14 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
         cfg = dataclasses.replace(cfg, x_transposed=False)
     # dx held transposed where Hp would pad the dx product's output columns to the MXU's side (and, as x.T's,
     # a token block of dx.T is a run of its lanes).
-    if (facts is not None and facts.kept_dx_transposed and split == 1 and cfg.hp % facts.mxu_side
-            and (cfg.nb == 1 or cfg.block_b % LANES == 0)):
+    whole_lanes = cfg.nb == 1 or cfg.block_b % LANES == 0
+    if facts is not None and facts.kept_dx_transposed and split == 1 and cfg.hp % facts.mxu_side and whole_lanes:
         cfg = dataclasses.replace(cfg, dx_transposed=True)
+    # A [V, H] head's dw held [Hp, V] where Hp would pad that product's output columns too, formed from x.T
+    # (a run of its lanes a token block, as above), the label's term then in delta.
+    if (facts is not None and facts.kept_dw_transposed and cfg.w_layout == "vh" and split == 1
+            and cfg.hidden == cfg.hp and cfg.hp % facts.mxu_side and whole_lanes):
+        cfg = dataclasses.replace(cfg, kept_dw_transposed=True, x_transposed=True, label_rows=False)
     return cfg
 
 

@@ -88,6 +88,9 @@ class ChipFacts:
     #: Qwen3-0.6B (1024, where it pads nothing) 1.190 -> 1.203 with it, so only where ``Hp`` pads
     #: (docs/notes/2026-12-03-dx-transposed.md).
     kept_dx_transposed: bool = False
+    #: Whether the kept backward holds a ``[V, H]`` head's ``dw`` (and its chunk's ``x``) transposed where ``Hp`` is
+    #: not a whole number of the MXU's side (:attr:`ce_pallas_tpu.backward.BackwardConfig.kept_dw_transposed`).
+    kept_dw_transposed: bool = False
     #: Whether the kept backward's first chunk (or only one) fills its ``dw`` slots with zeros by DMA
     #: (:attr:`ce_pallas_tpu.backward.BackwardConfig.dw_zeros_by_dma`) instead of a vector pass.
     kept_dw_zeros_by_dma: bool = False
@@ -119,7 +122,8 @@ CHIP_FACTS: dict[str, ChipFacts] = {
                      kept_x_transposed=True),
     "v6e": ChipFacts(1, 128 * _MIB, 32 * 1024 * _MIB, 918e12, 1.64e12, mxu_side=256, delta_columns=320.0,
                      delta_over_logits=True, kept_x_transposed=True, kept_dw_zeros_by_dma=True,
-                     kept_label_rows=True, kept_logits_bf16=True, kept_dx_transposed=True),
+                     kept_label_rows=True, kept_logits_bf16=True, kept_dx_transposed=True,
+                     kept_dw_transposed=True),
     # TPU7x (Ironwood): each TensorCore is a device of its own, with 64 MiB of VMEM and half the chip's HBM.
     "tpu7x": ChipFacts(1, 64 * _MIB, 96 * 1024 * _MIB, 1155e12, 3.7e12, mxu_side=256, forward_work_tiles=8.0),
     "default": ChipFacts(1, 16 * _MIB, 16 * 1024 * _MIB, 200e12, 0.8e12),

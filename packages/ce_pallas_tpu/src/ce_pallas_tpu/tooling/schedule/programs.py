@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ce_pallas_tpu.backward import BackwardConfig, LabelRows, backward_call
+from ce_pallas_tpu.backward import BackwardConfig, LabelRows, backward_call, running_dw_shape
 from ce_pallas_tpu.common import KernelConfig, LiveBlocks
 from ce_pallas_tpu.forward import ForwardConfig, forward_call, kept_maxima_shape
 from ce_pallas_tpu.layout import cdiv
@@ -100,7 +100,7 @@ def kernel_program(kernel: str, cfg: KernelConfig, x_dtype: str, w_dtype: str, s
     column = operand((cfg.n, 1), jnp.float32)
     n_optional = cfg.with_sum + 2 * cfg.with_expected  # g_sum, then expected and g_expected
     columns = (column,) * (3 + n_optional)
-    running = (cfg.nv * cfg.block_v, cfg.hidden) if cfg.w_layout == "vh" else (cfg.hidden, cfg.nv * cfg.block_v)
+    running = running_dw_shape(cfg)
     kept_operands: tuple[jax.ShapeDtypeStruct, ...] = ()
     if kept:  # the chunk's logits, and the running float32 dw where the chunk adds onto it
         kept_operands = (operand(logits_shape, jnp.bfloat16 if cfg.kept_bf16 else jnp.float32),)
