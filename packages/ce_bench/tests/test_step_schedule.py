@@ -224,6 +224,48 @@ def test_a_kept_step_whose_backward_runs_in_pieces_is_compiled_with_its_chunk_an
     assert (pinned.chunk, pinned.chunks, pinned.pieces) == (4096, 2, (1536, 1536, 1024))
 
 
+def test_a_tied_heads_step_is_built_and_scheduled_in_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--w-layout vh`` with ``--step``: the materialised step over ``x @ w.T`` gives the ``[H, V]`` step's loss and
+    the transpose of its ``dw``; the kept path's plan is the ``[V, H]`` head's (v6e, Qwen2.5-0.5B's width: ``dw``
+    held transposed); the kernels' schedule is asked for that layout; the records and table carry it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ce_bench import schedule as kernel_schedule
+
+    rng = np.random.default_rng(5)
+    n, h, v = 24, 32, 50
+    x = jnp.asarray(rng.standard_normal((n, h)) / np.sqrt(h), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((h, v)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    by_layout = {}
+    for layout, head in (("hv", w), ("vh", w.T)):
+        fn, operands = step.step_program("materialised", n, h, v, cpu, "float32", w_layout=layout)
+        assert operands[1].shape == head.shape
+        by_layout[layout] = fn(x, head, labels)
+    (loss_hv, (dx_hv, dw_hv)), (loss_vh, (dx_vh, dw_vh)) = by_layout["hv"], by_layout["vh"]
+    np.testing.assert_allclose(loss_vh, loss_hv, rtol=1e-6)
+    np.testing.assert_allclose(dx_vh, dx_hv, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw_vh, dw_hv.T, rtol=1e-5, atol=1e-7)
+
+    assert step.kept_plan("v6e", 4096, 896, 151936, w_layout="vh").backward.kept_dw_transposed
+    assert not step.kept_plan("v6e", 4096, 896, 151936).backward.kept_dw_transposed
+    asked: list[str] = []
+    monkeypatch.setattr(kernel_schedule, "run_kept_schedule",
+                        lambda *args, w_layout="hv", **kwargs: asked.append(w_layout) or [])
+    step_schedule._kernel_schedule("v6e", "bfloat16", True, "vh")([Shape(4096, 896, 151936)], ("forward",),
+                                                                  [(4096, 1, 0)])
+    assert asked == ["vh"]
+    records = step_schedule.run_step_schedule("v6e", [Shape(4096, 896, 151936)], ["keep_logits", "materialised"],
+                                              [1024, 2048], w_layout="vh", quiet=True, measure_ops=_fake_ops,
+                                              kernel_schedule=_fake_kernels)
+    assert [r["w_layout"] for r in records] == ["vh", "vh"]
+    assert records[0]["baseline_ms"] == pytest.approx(records[1]["est_ms"])
+    assert all("[V, H]" in row for row in step_schedule.step_table(records, "markdown").splitlines()[2:4])
+
+
 def test_a_path_that_does_not_exist_yet_is_skipped_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step, "path_unavailable",
                         lambda path: "ce_core.linear_cross_entropy has no keep_logits option yet"
@@ -243,6 +285,8 @@ def test_the_step_flags() -> None:
     assert schedule_command.parse_step_args(parser, args) == (["recompute", "keep_logits"], [256, 512])
     args = parser.parse_args(["--target", "v5p", "--step", "value_and_grad"])
     assert schedule_command.parse_step_args(parser, args) == (list(step_schedule.DEFAULT_STEP_PATHS), None)
+    args = parser.parse_args(["--target", "v6e", "--step", "value_and_grad", "--w-layout", "vh"])  # a tied head's step
+    assert schedule_command.parse_step_args(parser, args) == (list(step_schedule.DEFAULT_STEP_PATHS), None)
     for bad in (["--paths", "bogus"], ["--step-tokens", "256"], ["--objective", "rl"], ["--argmax"]):
         with pytest.raises(SystemExit):
             cli.main(["schedule", "--target", "v5p", "--step", "value_and_grad", *bad])
@@ -251,17 +295,20 @@ def test_the_step_flags() -> None:
 
 
 @pytest.mark.slow
-def test_the_step_compiles_and_sums_for_v5p(tmp_path: Path) -> None:
-    """A tiny step for v5p, both paths: every figure comes out, above the 8NHV minimum's order."""
+@pytest.mark.rotating(shares=2)  # one layout a CI run, the other the next (conftest.rotate)
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_the_step_compiles_and_sums_for_v5p(tmp_path: Path, layout: str) -> None:
+    """A tiny step for v5p, both paths, an ``[H, V]`` head or a tied ``[V, H]`` one: every figure comes out, above
+    the 8NHV minimum's order."""
     json_path = tmp_path / "step.json"
     code = cli.main(["schedule", "--target", "v5p", "--step", "value_and_grad", "--shapes", "512x256x2048",
-                     "--paths", "recompute,materialised", "--step-tokens", "128,256", "--json", str(json_path),
-                     "--quiet"])
+                     "--paths", "recompute,materialised", "--step-tokens", "128,256", "--w-layout", layout,
+                     "--json", str(json_path), "--quiet"])
     assert code == 0
     records = json.loads(json_path.read_text())
     assert [r["path"] for r in records] == ["recompute", "materialised"]
     for record in records:
-        assert record["error"] is None, record
+        assert record["error"] is None and record["w_layout"] == layout, record
         assert record["est_ms"] > 0 and record["ratio_8nhv"] > 0.5
         assert record["baseline_ms"] == records[1]["est_ms"]
     assert records[0]["kernels_ms"] > 0

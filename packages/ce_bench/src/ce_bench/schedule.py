@@ -54,7 +54,7 @@ def run_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequ
 
 
 def run_kept_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels: Sequence[str] = KERNELS, *,
-                      quiet: bool = False) -> list[dict[str, Any]]:
+                      w_layout: str = "hv", quiet: bool = False) -> list[dict[str, Any]]:
     """The records of the kept-logits path's kernels (``keep_logits=True``), shape by shape: each kernel call of
     the plan the step takes at the shape's N (``step.kept_plan``; ``schedule.kept_jobs``: the forward once a
     chunk, the backward once a piece of each chunk, in the role of its call: its float32 ``dw`` started, added
@@ -64,8 +64,8 @@ def run_kept_schedule(target: str, shapes: Sequence[Shape], dtype: str, kernels:
 
     jobs, labels, repeats = [], [], []
     for shape in shapes:
-        plan = step.kept_plan(target, shape.n, shape.h, shape.v, dtype)
-        for job, count in schedule.kept_jobs(plan, x_dtype=dtype, w_dtype=dtype):
+        plan = step.kept_plan(target, shape.n, shape.h, shape.v, dtype, w_layout)
+        for job, count in schedule.kept_jobs(plan, x_dtype=dtype, w_dtype=dtype, w_layout=w_layout):
             if job.kernel in kernels:
                 jobs.append(job)
                 labels.append(shape.label)

@@ -139,25 +139,27 @@ def step_record(generation: str, shape: Shape, path: str, points: dict[int, Any]
 
 
 def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str] = DEFAULT_STEP_PATHS,
-                      tokens: Sequence[int] | None = None, *, dtype: str = "bfloat16", quiet: bool = False,
+                      tokens: Sequence[int] | None = None, *, dtype: str = "bfloat16", w_layout: str = "hv",
+                      quiet: bool = False,
                       measure_ops: Callable[..., Any] | None = None,
                       kernel_schedule: Callable[..., list[list[dict[str, Any]]]] | None = None) -> list[dict[str, Any]]:
     """One record per shape and path (in that order); ``baseline_ms`` is the materialised path's
-    ``est_ms`` at the same shape where that path is measured. ``measure_ops`` and ``kernel_schedule`` (its
-    kernel records per shape) replace the compiles (tests)."""
+    ``est_ms`` at the same shape where that path is measured; ``w_layout="vh"`` takes every path's head as a tied
+    ``[V, H]`` embedding. ``measure_ops`` and ``kernel_schedule`` (its kernel records per shape) replace the
+    compiles (tests)."""
     from ce_pallas_tpu.tooling.schedule import step
     from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
 
     clock_hz = SCHEDULE_CHIPS[target].clock_hz
-    ops_cache = _OpsCache(measure_ops or (lambda g, p, n, h, v, loop: step.measure_step_ops(g, p, n, h, v, dtype,
-                                                                                            loop=loop)), quiet)
-    loops = {(path, shape): step.loop_plan(path, target, shape.n, shape.h, shape.v, dtype)
+    ops_cache = _OpsCache(measure_ops or (lambda g, p, n, h, v, loop: step.measure_step_ops(
+        g, p, n, h, v, dtype, loop=loop, w_layout=w_layout)), quiet)
+    loops = {(path, shape): step.loop_plan(path, target, shape.n, shape.h, shape.v, dtype, w_layout)
              for path in paths for shape in shapes}
     kernel_records: dict[tuple[str, Shape], list[dict[str, Any]]] = {}
     for path in paths:
         kernels = step.KERNELS_FROM_FIT.get(path)
         if kernels and step.path_unavailable(path) is None:
-            found = (kernel_schedule or _kernel_schedule(target, dtype, quiet))(
+            found = (kernel_schedule or _kernel_schedule(target, dtype, quiet, w_layout))(
                 list(shapes), kernels, [loops[(path, shape)] for shape in shapes])
             for shape, shape_records in zip(shapes, found, strict=True):
                 kernel_records[(path, shape)] = shape_records
@@ -165,7 +167,8 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
     for shape in shapes:
         for path in paths:
             base = {"generation": target, "shape": shape.label, "n": shape.n, "h": shape.h, "v": shape.v,
-                    "objective": "loss", "path": path, "est_ms": None, "ratio_8nhv": None, "baseline_ms": None}
+                    "w_layout": w_layout, "objective": "loss", "path": path, "est_ms": None, "ratio_8nhv": None,
+                    "baseline_ms": None}
             reason = step.path_unavailable(path)
             if reason is not None:
                 records.append({**base, "skipped": reason, "error": None})
@@ -179,7 +182,7 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
                 chunk = loop[0] if loop else None
                 points = {t: ops_cache.get(target, path, t, shape.h, shape.v, loop)
                           for t in small_token_counts(path, shape.n, tokens, chunk)}
-                record = step_record(target, shape, path, points, kernels_found, clock_hz)
+                record = {**step_record(target, shape, path, points, kernels_found, clock_hz), "w_layout": w_layout}
                 record["loop_chunk"] = chunk
                 if loop:
                     record["loop_hidden_tiles"], record["loop_longest_piece"] = loop[1], loop[2] or None
@@ -193,7 +196,8 @@ def run_step_schedule(target: str, shapes: Sequence[Shape], paths: Sequence[str]
     return records
 
 
-def _kernel_schedule(target: str, dtype: str, quiet: bool) -> Callable[..., list[list[dict[str, Any]]]]:
+def _kernel_schedule(target: str, dtype: str, quiet: bool,
+                     w_layout: str = "hv") -> Callable[..., list[list[dict[str, Any]]]]:
     """The grid fit of a path's kernels, their records per shape: over the whole N, or per chunk where the path
     loops (``loops``)."""
     from ce_bench.schedule import run_kept_schedule, run_schedule
@@ -201,21 +205,25 @@ def _kernel_schedule(target: str, dtype: str, quiet: bool) -> Callable[..., list
     def schedule(shapes: list[Shape], kernels: tuple[str, ...],
                  loops: list[tuple[int, int, int] | None]) -> list[list[dict[str, Any]]]:
         if all(loop is None for loop in loops):
-            found = run_schedule(target, shapes, dtype, kernels, quiet=quiet)
+            found = run_schedule(target, shapes, dtype, kernels, w_layout=w_layout, quiet=quiet)
             return [found[index * len(kernels):(index + 1) * len(kernels)] for index in range(len(shapes))]
         looped = [shape for shape, loop in zip(shapes, loops, strict=True) if loop is not None]
-        found = run_kept_schedule(target, looped, dtype, kernels, quiet=quiet)
+        found = run_kept_schedule(target, looped, dtype, kernels, w_layout=w_layout, quiet=quiet)
         return [[record for record in found if record["shape"] == shape.label] for shape in shapes]
 
     return schedule
 
 
 def fill_baselines(records: Sequence[dict[str, Any]]) -> None:
-    """Set each record's ``baseline_ms`` to the materialised path's ``est_ms`` at its shape and generation."""
-    baselines = {(r["generation"], r["shape"]): r["est_ms"] for r in records
-                 if r["path"] == "materialised" and r.get("est_ms") is not None}
+    """Set each record's ``baseline_ms`` to the materialised path's ``est_ms`` at its shape, head layout and
+    generation."""
+
+    def key(r: dict[str, Any]) -> tuple[str, str, str]:
+        return r["generation"], r["shape"], r.get("w_layout", "hv")
+
+    baselines = {key(r): r["est_ms"] for r in records if r["path"] == "materialised" and r.get("est_ms") is not None}
     for record in records:
-        record["baseline_ms"] = baselines.get((record["generation"], record["shape"]))
+        record["baseline_ms"] = baselines.get(key(record))
 
 
 def _number(value: float | None, digits: int = 2) -> str:
@@ -230,9 +238,10 @@ def step_table(records: Sequence[dict[str, Any]], fmt: str = "text") -> str:
                "baseline ms", "est. / baseline", "kernels ms (fit)", "ops ms", "ops from N"]
     rows = []
     for r in records:
+        shape = r["shape"] + (" [V, H]" if r.get("w_layout") == "vh" else "")  # a tied head's
         if r.get("skipped") or r.get("error"):
             status = ("skipped" + notes.ref(r["skipped"])) if r.get("skipped") else ("failed" + notes.ref(r["error"]))
-            rows.append([r["generation"], r["shape"], r["objective"], r["path"], status, *["-"] * 7])
+            rows.append([r["generation"], shape, r["objective"], r["path"], status, *["-"] * 7])
             continue
         source = ",".join(str(t) for t in r["ops_tokens"])
         if r["extrapolated"]:
@@ -249,7 +258,7 @@ def step_table(records: Sequence[dict[str, Any]], fmt: str = "text") -> str:
                                 f"{len(r['ops_estimated_from_hbm_bytes'])} ops without a profile estimated from "
                                 f"their HBM bytes ({_number(r['estimated_from_hbm_ms'], 3)} ms at the largest N)")
         ratio_baseline = r["est_ms"] / r["baseline_ms"] if r.get("baseline_ms") else None
-        rows.append([r["generation"], r["shape"], r["objective"], r["path"], _number(r["est_ms"]),
+        rows.append([r["generation"], shape, r["objective"], r["path"], _number(r["est_ms"]),
                      _number(r["minimum_8nhv_ms"]), _number(r["ratio_8nhv"], 3), _number(r["baseline_ms"]),
                      _number(ratio_baseline, 3), _number(r["kernels_ms"]), _number(r["ops_ms"]), source])
     return _render(headers, rows, notes, fmt, right={4, 5, 6, 7, 8, 9, 10})

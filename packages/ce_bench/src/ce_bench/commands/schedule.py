@@ -31,7 +31,8 @@ def schedule_parser() -> argparse.ArgumentParser:
                         help="MXU precision of the kernels' products (default: the backend's default)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated: forward, backward")
     parser.add_argument("--w-layout", default="hv", choices=("hv", "vh"),
-                        help="layout of the head: hv is [H, V], vh is [V, H] (a tied embedding)")
+                        help="layout of the head: hv is [H, V], vh is [V, H] (a tied embedding; with --step every "
+                             "path's, the materialised one over x @ w.T)")
     parser.add_argument("--argmax", action="store_true", help="the forward with return_argmax=True")
     parser.add_argument("--objective", default="loss", choices=OBJECTIVES,
                         help="loss: the plain loss; rl: linear_log_probs with the entropy (the expected logit)")
@@ -96,7 +97,7 @@ def parse_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     from ce_bench.step_schedule import STEP_PATHS
 
     kernel_only = {"--kernels": args.kernels != ",".join(("forward", "backward")), "--argmax": args.argmax,
-                   "--w-layout": args.w_layout != "hv", "--objective": args.objective != "loss",
+                   "--objective": args.objective != "loss",
                    "--precision": args.precision is not None, "--w-dtype": args.w_dtype is not None}
     given = [flag for flag, on in kernel_only.items() if on]
     if given:
@@ -131,7 +132,8 @@ def _step_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
           "no TPU present", flush=True)
     start = time.perf_counter()
     try:
-        records = step_schedule.run_step_schedule(args.target, shapes, paths, tokens, dtype=dtype, quiet=args.quiet)
+        records = step_schedule.run_step_schedule(args.target, shapes, paths, tokens, dtype=dtype,
+                                                  w_layout=args.w_layout, quiet=args.quiet)
     except ScheduleUnavailableError as error:
         print(f"ce-bench schedule: {error}", file=sys.stderr)
         return 1

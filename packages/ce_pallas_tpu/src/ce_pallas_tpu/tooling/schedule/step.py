@@ -6,7 +6,8 @@ profiler: an op inside a ``while`` body counts ``trip count`` times (read from t
 ``known_trip_count``). Walking a full-size step takes too long and too much host memory (the
 materialised baseline needs more than 15 GB at 8192 tokens), so the step is compiled at a few small
 token counts ``N`` with the full ``H`` and ``V``, and the sum is fitted linearly in ``N`` and
-extrapolated (:func:`linear_fit`). The paths (:data:`STEP_PATHS`):
+extrapolated (:func:`linear_fit`). The head is ``[H, V]``, or with ``w_layout="vh"`` a tied ``[V, H]`` embedding
+(the materialised loss then over ``x @ w.T``, as a user writes it). The paths (:data:`STEP_PATHS`):
 
 - ``recompute``: ``ce_core.linear_cross_entropy(..., implementation="pallas_tpu")`` today: its two
   kernels come from the grid fit of :func:`ce_pallas_tpu.tooling.schedule.measure` at full size; the
@@ -358,22 +359,24 @@ def linear_fit(points: dict[int, float]) -> LinearFit:
 
 # --------------------------------------------------------------------------------------------- the paths
 
-def _recompute(x: Any, labels: Any, w: Any) -> Any:
+def _recompute(x: Any, labels: Any, w: Any, w_layout: str = "hv") -> Any:
     import ce_core
 
-    return ce_core.linear_cross_entropy(x, labels, w, implementation="pallas_tpu")
+    return ce_core.linear_cross_entropy(x, labels, w, implementation="pallas_tpu", w_layout=w_layout)
 
 
-def _keep_logits(x: Any, labels: Any, w: Any) -> Any:
+def _keep_logits(x: Any, labels: Any, w: Any, w_layout: str = "hv") -> Any:
     import ce_core
 
-    return ce_core.linear_cross_entropy(x, labels, w, implementation="pallas_tpu", keep_logits=True)
+    return ce_core.linear_cross_entropy(x, labels, w, implementation="pallas_tpu", keep_logits=True,
+                                        w_layout=w_layout)
 
 
-def _materialised(x: Any, labels: Any, w: Any) -> Any:
+def _materialised(x: Any, labels: Any, w: Any, w_layout: str = "hv") -> Any:
     import jax.numpy as jnp
 
-    logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    # A tied [V, H] head as a user writes it: the product with the embedding's transpose (XLA contracts in place).
+    logits = jnp.dot(x, w.T if w_layout == "vh" else w, preferred_element_type=jnp.float32)
     try:
         import optax
     except ImportError:  # the same math: logsumexp minus the label's logit
@@ -384,8 +387,8 @@ def _materialised(x: Any, labels: Any, w: Any) -> Any:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-#: path -> ``loss(x, labels, w)``: adding a path is one entry here (and in :data:`STEP_PATHS`).
-LOSSES: dict[str, Callable[[Any, Any, Any], Any]] = {
+#: path -> ``loss(x, labels, w, w_layout)``: adding a path is one entry here (and in :data:`STEP_PATHS`).
+LOSSES: dict[str, Callable[[Any, Any, Any, str], Any]] = {
     "recompute": _recompute,
     "materialised": _materialised,
     "keep_logits": _keep_logits,
@@ -426,7 +429,7 @@ def _accepts_option(fn: Callable[..., Any], name: str, inspect: Any) -> bool:
 
 
 def loop_plan(path: str, generation: str, n: int, h: int, v: int,
-              w_dtype: str = "bfloat16") -> tuple[int, int, int] | None:
+              w_dtype: str = "bfloat16", w_layout: str = "hv") -> tuple[int, int, int] | None:
     """``(tokens per chunk, hidden tiles, rows of its longest backward piece or 0)`` of ``path``'s step at ``n``
     tokens on ``generation`` (None: the path has no token loop).
 
@@ -438,14 +441,14 @@ def loop_plan(path: str, generation: str, n: int, h: int, v: int,
     4096 at 4096)."""
     if path != "keep_logits":
         return None
-    plan = kept_plan(generation, n, h, v, w_dtype)
+    plan = kept_plan(generation, n, h, v, w_dtype, w_layout)
     return plan.chunk, plan.backward.hidden_split, plan.pieces[0] if plan.pieces else 0
 
 
-def kept_plan(generation: str, n: int, h: int, v: int, w_dtype: str = "bfloat16") -> Any:
+def kept_plan(generation: str, n: int, h: int, v: int, w_dtype: str = "bfloat16", w_layout: str = "hv") -> Any:
     """The ``keep_logits`` path's plan (:func:`ce_pallas_tpu.kept_logits.plan_chunks`, which weighs chunk counts,
-    hidden tiles and backward pieces per ``n``) for the plain mean loss over an ``[H, V]`` head, as
-    :func:`step_program` builds it."""
+    hidden tiles and backward pieces per ``n``) for the plain mean loss over an ``[H, V]`` head (``w_layout="vh"``:
+    a ``[V, H]`` one), as :func:`step_program` builds it."""
     import jax.numpy as jnp
 
     from ce_core import StatsSpec
@@ -453,8 +456,8 @@ def kept_plan(generation: str, n: int, h: int, v: int, w_dtype: str = "bfloat16"
     from ce_pallas_tpu.target import CHIP_FACTS, Target
 
     target = Target(generation, CHIP_FACTS[generation].num_cores, None)
-    return kept_logits.plan_chunks(n, h, v, jnp.dtype(w_dtype), jnp.dtype(w_dtype), StatsSpec(keep_logits=True),
-                                   target)
+    return kept_logits.plan_chunks(n, h, v, jnp.dtype(w_dtype), jnp.dtype(w_dtype),
+                                   StatsSpec(keep_logits=True, w_layout=w_layout), target)
 
 
 def materialised_library() -> str:
@@ -466,16 +469,18 @@ def materialised_library() -> str:
     return f"optax {optax.__version__} softmax_cross_entropy_with_integer_labels"
 
 
-def step_program(path: str, n: int, h: int, v: int, sharding: Any, dtype: str = "bfloat16") -> tuple[Any, tuple]:
-    """``(fn, operands)``: ``jax.jit(fn).lower(*operands).compile()`` is the step of ``path``."""
+def step_program(path: str, n: int, h: int, v: int, sharding: Any, dtype: str = "bfloat16",
+                 w_layout: str = "hv") -> tuple[Any, tuple]:
+    """``(fn, operands)``: ``jax.jit(fn).lower(*operands).compile()`` is the step of ``path`` (``w`` ``[H, V]``, or
+    ``[V, H]`` with ``w_layout="vh"``)."""
     import jax
     import jax.numpy as jnp
 
     loss = LOSSES[path]
     operands = (jax.ShapeDtypeStruct((n, h), jnp.dtype(dtype), sharding=sharding),
-                jax.ShapeDtypeStruct((h, v), jnp.dtype(dtype), sharding=sharding),
+                jax.ShapeDtypeStruct((v, h) if w_layout == "vh" else (h, v), jnp.dtype(dtype), sharding=sharding),
                 jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding))
-    return jax.value_and_grad(lambda x, w, labels: loss(x, labels, w), argnums=(0, 1)), operands
+    return jax.value_and_grad(lambda x, w, labels: loss(x, labels, w, w_layout), argnums=(0, 1)), operands
 
 
 # --------------------------------------------------------------------------------------------- processes
@@ -498,12 +503,12 @@ _IN_HLO = re.compile(r"in HLO \[([^\]]+)\]")
 
 
 def _compile_child(generation: str, path: str, n: int, h: int, v: int, dtype: str, root: Path,
-                   profile_dir: Path | None,
-                   loop: tuple[int, int, int] | None = None) -> tuple[int, str | None, set[str], list[str]]:
+                   profile_dir: Path | None, loop: tuple[int, int, int] | None = None,
+                   w_layout: str = "hv") -> tuple[int, str | None, set[str], list[str]]:
     """Compile one step in a child process: ``(returncode, abort message, ops named by the abort, stderr tail)``."""
     pinned = [str(part) for part in loop] if loop else ["-", "-", "-"]
     command = [sys.executable, "-m", "ce_pallas_tpu.tooling.schedule.step", generation, path, str(n), str(h),
-               str(v), dtype, str(root / "step.hlo.txt"), *pinned]
+               str(v), dtype, w_layout, str(root / "step.hlo.txt"), *pinned]
     abort, failed_ops, tail = None, set(), []
     with subprocess.Popen(command, env=_child_env(profile_dir), stderr=subprocess.PIPE, text=True) as child:
         assert child.stderr is not None
@@ -526,10 +531,11 @@ MAX_PROFILE_ATTEMPTS = 4
 
 
 def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: str = "bfloat16",
-                     attempts: int = MAX_PROFILE_ATTEMPTS, loop: tuple[int, int, int] | None = None) -> StepOps:
-    """Compile the step of ``path`` at ``n`` tokens for ``generation`` with the profile flags and sum
-    its ops (:func:`sum_step`); ``loop`` pins the ``keep_logits`` path's ``(chunk, hidden tiles, longest piece)``
-    (:func:`loop_plan`). Where the profiler aborts, the HLO comes from a compile without the
+                     attempts: int = MAX_PROFILE_ATTEMPTS, loop: tuple[int, int, int] | None = None,
+                     w_layout: str = "hv") -> StepOps:
+    """Compile the step of ``path`` at ``n`` tokens for ``generation`` (its head in ``w_layout``) with the profile
+    flags and sum its ops (:func:`sum_step`); ``loop`` pins the ``keep_logits`` path's ``(chunk, hidden tiles,
+    longest piece)`` (:func:`loop_plan`). Where the profiler aborts, the HLO comes from a compile without the
     profile flags, the profiles of repeated attempts are pooled, and the ops still without one (those
     the profiler aborts on) are estimated from their HBM bytes."""
     with tempfile.TemporaryDirectory(prefix="ce-step-") as tmp:
@@ -543,7 +549,8 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
         for attempt in range(attempts):
             profile_dir = root / f"profile{attempt}"
             profile_dir.mkdir()
-            code, abort, failed, tail = _compile_child(generation, path, n, h, v, dtype, root, profile_dir, loop)
+            code, abort, failed, tail = _compile_child(generation, path, n, h, v, dtype, root, profile_dir, loop,
+                                                       w_layout)
             for profile in read_op_profiles(profile_dir):
                 profiles.setdefault(profile.name, profile)
             if abort is None and code == 0 and hlo.exists():
@@ -551,7 +558,7 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
             aborts.append(abort or f"exit {code}: {tail[-1] if tail else ''}"[:300])
             failed_ops |= failed
             if not hlo.exists():
-                code2, abort2, _, tail2 = _compile_child(generation, path, n, h, v, dtype, root, None, loop)
+                code2, abort2, _, tail2 = _compile_child(generation, path, n, h, v, dtype, root, None, loop, w_layout)
                 if not hlo.exists():
                     lines = "\n".join(tail2)
                     raise RuntimeError(f"the {path} step at N={n} does not compile for {generation} "
@@ -573,7 +580,7 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
 
 def _main(argv: list[str]) -> int:
     """Child process: compile one step for a deviceless TPU and write its HLO text."""
-    generation, path, n, h, v, dtype, out, chunk, split, piece = argv
+    generation, path, n, h, v, dtype, w_layout, out, chunk, split, piece = argv
     import jax
 
     from ce_pallas_tpu import kept_logits
@@ -584,7 +591,8 @@ def _main(argv: list[str]) -> int:
         kept_logits.HIDDEN_SPLIT = None if int(piece) else int(split)
 
     with aot.compiling_for(generation) as device:
-        fn, operands = step_program(path, int(n), int(h), int(v), jax.sharding.SingleDeviceSharding(device), dtype)
+        fn, operands = step_program(path, int(n), int(h), int(v), jax.sharding.SingleDeviceSharding(device), dtype,
+                                    w_layout)
         compiled = jax.jit(fn).lower(*operands).compile()
         Path(out).write_text(compiled.as_text() or "")
     return 0
