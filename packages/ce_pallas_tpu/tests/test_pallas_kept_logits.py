@@ -133,6 +133,33 @@ def _kept_errors_with_v6e_fact(monkeypatch, fact: str, value: bool, spied: list,
             max_rel_error(dw.astype(jnp.float32), expected["dw"]))
 
 
+def _signed_weights_and_temperatures(seed: int, n: int, options: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token weights of either sign and per-token temperatures (also set in ``options``)."""
+    rng = np.random.default_rng(seed)
+    weights = rng.uniform(-1.0, 2.0, n).astype(np.float32)
+    t = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    options["temperature"] = jnp.asarray(t)
+    return weights, t
+
+
+def _assert_v6e_backward_fact_as_accurate_on_as_off(monkeypatch, fact: str, flag: str, x, labels, w, options: dict,
+                                                    weights, expected: dict, dtype: str) -> None:
+    """With v6e's ``ChipFacts`` ``fact`` on and then off, every kept backward call has ``BackwardConfig`` ``flag`` so
+    (a spy on the calls), the loss, ``dx`` and ``dw`` within the dtype's tolerance of ``expected``, race-free; and
+    the errors with it on within 5% of those with it off."""
+    called = _config_spy(monkeypatch, "backward_call", 9)
+    errors = {}
+    for on in (True, False):
+        errors[on] = _kept_errors_with_v6e_fact(monkeypatch, fact, on, called, x, labels, w, options, weights,
+                                                expected, dtype)
+        assert called and all(getattr(cfg, flag) == on for cfg in called), called
+        assert max(errors[on]) <= TOLERANCES[dtype][1], errors
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    for with_fact, without in zip(errors[True], errors[False], strict=True):
+        assert with_fact <= 1.05 * without + 1e-6, errors
+
+
 def _assert_kept_float32_grads_match_the_oracle_race_free(x, labels, w, layout: str) -> None:
     """The kept path's plain mean-loss gradients against the float64 oracle, and no race in the interpreter."""
     _, (dx, dw) = _value_and_grads(x, labels, w, keep_logits=True, options=dict(w_layout=layout), weights=None)
@@ -216,29 +243,17 @@ def test_dx_held_transposed_where_the_hidden_size_pads_the_mxu(interpret, monkey
     options: dict = dict(w_layout=layout)
     if tiles == "explicit":
         options["block_sizes"] = BlockSizes(128, None, 256)
-    rng = np.random.default_rng(31)
     weights = t = None
     if dtype == "bfloat16":
-        weights = rng.uniform(-1.0, 2.0, n).astype(np.float32)
-        t = rng.uniform(0.5, 2.0, n).astype(np.float32)
-        options["temperature"] = jnp.asarray(t)
+        weights, t = _signed_weights_and_temperatures(31, n, options)
     spec = StatsSpec(w_layout=layout, block_sizes=options.get("block_sizes"))
     plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, spec)
     assert plan.chunks > 1 and all(cfg.dx_transposed for cfg in plan.piece_configs("last")), plan
     assert (plan.backward.nb == 2) == (tiles == "explicit")
     assert not kept_logits.plan_chunks(n, 256, v, x.dtype, w.dtype, spec).backward.dx_transposed
     expected = _oracle(x, labels, w, layout, options, weights, 1.0 if t is None else t)
-    called = _config_spy(monkeypatch, "backward_call", 9)
-    errors = {}
-    for transposed in (True, False):
-        errors[transposed] = _kept_errors_with_v6e_fact(monkeypatch, "kept_dx_transposed", transposed, called, x,
-                                                        labels, w, options, weights, expected, dtype)
-        assert called and all(cfg.dx_transposed == transposed for cfg in called), called
-        assert max(errors[transposed]) <= TOLERANCES[dtype][1], errors
-        races = interpret_pallas_call.races
-        assert races is not None and not races.races_found
-    for held_transposed, as_rows in zip(errors[True], errors[False], strict=True):
-        assert held_transposed <= 1.05 * as_rows + 1e-6, errors
+    _assert_v6e_backward_fact_as_accurate_on_as_off(monkeypatch, "kept_dx_transposed", "dx_transposed", x, labels, w,
+                                                    options, weights, expected, dtype)
 
 
 #: The dw test's tiles: ``(CHUNK_TOKENS, explicit token block or None, chunks, token blocks a chunk, roles)``.
@@ -271,12 +286,9 @@ def test_tied_heads_dw_held_transposed_where_the_hidden_size_pads_the_mxu(interp
     options: dict = dict(w_layout="vh")
     if block_b is not None:
         options["block_sizes"] = BlockSizes(block_b, None, 256)
-    rng = np.random.default_rng(37)
     weights = t = None
     if dtype == "bfloat16":
-        weights = rng.uniform(-1.0, 2.0, n).astype(np.float32)
-        t = rng.uniform(0.5, 2.0, n).astype(np.float32)
-        options["temperature"] = jnp.asarray(t)
+        weights, t = _signed_weights_and_temperatures(37, n, options)
     spec = StatsSpec(w_layout="vh", block_sizes=options.get("block_sizes"))
     plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, spec)
     assert (plan.chunks, plan.backward.nb) == (chunks, blocks), plan
@@ -286,17 +298,8 @@ def test_tied_heads_dw_held_transposed_where_the_hidden_size_pads_the_mxu(interp
     for other in (256, 330):
         assert not kept_logits.plan_chunks(n, other, v, x.dtype, w.dtype, spec).backward.kept_dw_transposed
     expected = _oracle(x, labels, w, "vh", options, weights, 1.0 if t is None else t)
-    called = _config_spy(monkeypatch, "backward_call", 9)
-    errors = {}
-    for transposed in (True, False):
-        errors[transposed] = _kept_errors_with_v6e_fact(monkeypatch, "kept_dw_transposed", transposed, called, x,
-                                                        labels, w, options, weights, expected, dtype)
-        assert called and all(cfg.kept_dw_transposed == transposed for cfg in called), called
-        assert max(errors[transposed]) <= TOLERANCES[dtype][1], errors
-        races = interpret_pallas_call.races
-        assert races is not None and not races.races_found
-    for held_transposed, in_w_layout in zip(errors[True], errors[False], strict=True):
-        assert held_transposed <= 1.05 * in_w_layout + 1e-6, errors
+    _assert_v6e_backward_fact_as_accurate_on_as_off(monkeypatch, "kept_dw_transposed", "kept_dw_transposed", x, labels,
+                                                    w, options, weights, expected, dtype)
 
 
 @pytest.mark.slow  # 8 s in the race-checked interpreter; the fast tier runs the kept path in the covering rows
