@@ -786,6 +786,40 @@ def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interp
     assert untuned.logits_shape[0] == 3024 and untuned.extra_bytes < 2**30
 
 
+def test_v6e_pads_a_chunk_to_whole_lane_token_blocks_where_they_let_its_backward_hold_products_transposed(
+        monkeypatch):
+    """Where no whole 128-row block divides a chunk (3,000 or 2,900 tokens a device, Qwen2.5-0.5B's width), v6e's
+    plan pads it to 128-row token blocks rather than take the recompute plan's 16-row multiple, so that the kept
+    backward holds ``dx`` (and a tied head's ``dw``) transposed, as long as the padded rows stay within
+    :data:`kept_logits.KEPT_LANE_PADDING_ALLOWANCE` of the recompute block's. Not where the padding would cost
+    more (700 tokens), nor where nothing pads the MXU (``H`` 1024) or the chip holds nothing transposed (v5p)."""
+    from ce_core import StatsSpec
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+
+    def backward(generation: str, n: int, h: int, layout: str):
+        target = Target(generation, CHIP_FACTS[generation].num_cores, None)
+        plan = kept_logits.plan_chunks(n, h, 151936, jnp.bfloat16, jnp.bfloat16, StatsSpec(w_layout=layout), target)
+        assert plan.logits_shape[0] >= plan.backward.padded_n, plan
+        return plan.backward
+
+    def without_the_rule(generation: str, n: int, h: int, layout: str):
+        with monkeypatch.context() as m:
+            m.setattr(kept_logits, "KEPT_LANE_PADDING_ALLOWANCE", 1.0)  # the recompute plan's block only
+            return backward(generation, n, h, layout)
+
+    for n in (3000, 2900):
+        for layout in ("vh", "hv"):
+            lanes, sixteens = backward("v6e", n, 896, layout), without_the_rule("v6e", n, 896, layout)
+            assert (lanes.block_b, lanes.nb) == (1024, 3) and sixteens.block_b % 128, (lanes, sixteens)
+            assert lanes.dx_transposed and lanes.kept_dw_transposed == (layout == "vh")
+            assert not sixteens.dx_transposed and not sixteens.kept_dw_transposed
+            assert sixteens.padded_n < lanes.padded_n <= kept_logits.KEPT_LANE_PADDING_ALLOWANCE * sixteens.padded_n
+    short = backward("v6e", 700, 896, "vh")  # 3 x 256 = 768 rows against 3 x 240 = 720: 6.7% more
+    assert short.block_b % 128 and not short.dx_transposed
+    for generation, h in (("v6e", 1024), ("v5p", 896)):
+        assert backward(generation, 3000, h, "vh") == without_the_rule(generation, 3000, h, "vh"), (generation, h)
+
+
 def test_the_default_keeps_where_the_budget_allows_and_keeping_pays():
     """``keep_logits=None``: kept where the extra HBM fits ``min(4 GiB, HBM / 8)`` and the roofline has it
     faster; the chunk shrinks towards 1024 tokens to fit; one chunk holds no float32 running dw."""
@@ -982,13 +1016,15 @@ def test_v6e_holds_dx_transposed_at_a_hidden_size_that_pads_its_mxu_and_compiles
     ``w @ delta.T`` from an ``[H, V]`` one), a ``[V, H]`` head's ``dw`` too (``kept_dw_transposed``: ``x.T @ delta``
     into ``[Hp, block_v]`` slots, each finished tile transposed on its way out), and ``value_and_grad`` compiles for
     v6e within the kept path's memory: the recompute step's plus the plan's extra bytes, a bf16 ``dx`` and the
-    transposed partial's float32 copy."""
+    transposed partial's float32 copy. At 3,000 tokens, a count nobody tuned for: the chunk padded to three 1024-row
+    token blocks (whole lanes of ``x.T`` and ``dx.T``), the last ragged."""
     from ce_pallas_tpu.target import targeting
     from ce_pallas_tpu.tooling.aot import compile_loss_and_grads
 
-    n, h, v, bf16 = 4096, 896, 37984, jnp.bfloat16
+    n, h, v, bf16 = 3000, 896, 37984, jnp.bfloat16
     with targeting("v6e"):
         plan = kept_logits.plan_chunks(n, h, v, bf16, bf16, StatsSpec(w_layout=layout))
+    assert (plan.chunks, plan.backward.block_b, plan.backward.padded_n) == (1, 1024, 3072), plan
     assert all(cfg.dx_transposed and cfg.kept_dw_transposed == (layout == "vh")
                for role in ("only", "first", "middle", "last") for cfg in plan.piece_configs(role))
     recompute = compile_loss_and_grads("v6e", n, h, v, keep_logits=False, w_layout=layout)

@@ -650,8 +650,10 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
                               and base.backward.w_layout == "vh", kept_bf16=in_bf16)
     if cfg.hidden_tile % cfg.block_h:
         cfg = dataclasses.replace(cfg, block_h=cfg.hidden_tile)
+    # Whether token blocks of whole 128-lane runs let v6e hold dx (and a tied head's dw) transposed below.
+    lanes_pay = facts is not None and facts.kept_dx_transposed and split == 1 and cfg.hp % facts.mxu_side != 0
     if not explicit:
-        cfg = _widest_fitting(cfg, shape, budget, floor)
+        cfg = _widest_fitting(cfg, shape, budget, floor, lanes_pay)
     while _backward_need(cfg, shape) > budget and cfg.block_v > floor and cfg.block_v % 256 == 0:
         cfg = dataclasses.replace(cfg, block_v=cfg.block_v // 2)
     if cfg.x_transposed and cfg.nb > 1 and cfg.block_b % LANES:  # a token block of x.T is a run of its lanes
@@ -659,7 +661,7 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
     # dx held transposed where Hp would pad the dx product's output columns to the MXU's side (and, as x.T's,
     # a token block of dx.T is a run of its lanes).
     whole_lanes = cfg.nb == 1 or cfg.block_b % LANES == 0
-    if facts is not None and facts.kept_dx_transposed and split == 1 and cfg.hp % facts.mxu_side and whole_lanes:
+    if lanes_pay and whole_lanes:
         cfg = dataclasses.replace(cfg, dx_transposed=True)
     # A [V, H] head's dw held [Hp, V] where Hp would pad that product's output columns too, formed from x.T
     # (a run of its lanes a token block, as above), the label's term then in delta.
@@ -669,13 +671,23 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
     return cfg
 
 
-def _widest_fitting(cfg: BackwardConfig, shape: cost_model.Shape, budget: int, floor: int) -> BackwardConfig:
+#: How many more padded token rows a chunk may take in whole 128-lane token blocks than in the recompute
+#: plan's block, where such blocks let v6e hold the backward's products transposed (Qwen2.5-0.5B's tied head at
+#: 3,000 and 2,900 tokens: docs/notes/2026-12-03-kept-whole-lane-token-blocks.md).
+KEPT_LANE_PADDING_ALLOWANCE = 1.05
+
+
+def _widest_fitting(cfg: BackwardConfig, shape: cost_model.Shape, budget: int, floor: int,
+                    lanes_pay: bool = False) -> BackwardConfig:
     lane = max(cfg.mxu_side, 128)
     # A vocabulary of one block takes exactly V columns (a block may equal the array's extent, not exceed it).
     widest = cfg.v if cfg.v <= KEPT_MAX_BLOCK_V else KEPT_MAX_BLOCK_V
     # Whole 128-row multiples that divide the chunk, largest first (an 896-token chunk in one block, not in the
-    # recompute plan's: 16 rows for TPU7x's [4904, 1185] head); else the recompute plan's.
+    # recompute plan's: 16 rows for TPU7x's [4904, 1185] head); else the recompute plan's, or where whole-lane
+    # blocks pay (lanes_pay) and pad the chunk little more than it, those first.
     token_blocks = [b for b in range(KEPT_MAX_BLOCK_B // 128 * 128, 255, -128) if cfg.n % b == 0] or [cfg.block_b]
+    if lanes_pay and cfg.n > token_blocks[0] and token_blocks[0] % LANES:
+        token_blocks = [*_whole_lane_token_blocks(cfg.n, cfg.block_b), *token_blocks]
     for block_b in token_blocks:
         block_v = widest
         while True:
@@ -687,6 +699,13 @@ def _widest_fitting(cfg: BackwardConfig, shape: cost_model.Shape, budget: int, f
                 break
             block_v = _narrower_width(block_v, lane)
     return cfg
+
+
+def _whole_lane_token_blocks(n: int, block_b: int) -> list[int]:
+    """Token blocks of whole 128-row runs, largest first, that pad ``n`` rows to at most
+    :data:`KEPT_LANE_PADDING_ALLOWANCE` times the rows that blocks of ``block_b`` pad it to."""
+    allowed = KEPT_LANE_PADDING_ALLOWANCE * round_up(n, block_b)
+    return [b for b in range(KEPT_MAX_BLOCK_B // LANES * LANES, 255, -LANES) if round_up(n, b) <= allowed]
 
 
 def _narrower_width(block_v: int, lane: int) -> int:
