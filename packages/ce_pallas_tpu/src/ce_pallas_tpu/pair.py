@@ -56,6 +56,9 @@ from ce_pallas_tpu.target import active_cores, current_target, interpret_params
 
 #: The logit given to vocab columns past ``V``: far below any real one, yet finite.
 MASKED_LOGIT = -1e30
+#: ``log2(e)``: the given pass takes its logits in bits, so that its exps and its mixture's log are the
+#: hardware's base-2 ones (the natural ones multiply their argument or result by a constant first).
+LOG2E = 1.0 / math.log(2.0)
 #: The statistics kernels' modes: KLs in one pass, the lses alone, or the sums with the lses given.
 MODES = ("online", "lses", "given")
 
@@ -162,23 +165,25 @@ def _rows(lanes: jax.Array) -> jax.Array:
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
-def _log_mixture(p: jax.Array, q: jax.Array, beta: float) -> jax.Array:
+def _log_mixture(p: jax.Array, q: jax.Array, beta: float, log=jnp.log) -> jax.Array:
     """``log(beta q + (1 - beta) p)`` (the contract's mixture) from the probabilities: one transcendental where a
-    ``logaddexp`` of the log-probabilities takes two and a dozen vector operations."""
-    return jnp.log(jnp.maximum(beta * q + (1.0 - beta) * p, _TINY))
+    ``logaddexp`` of the log-probabilities takes two and a dozen vector operations (``log``: ``jnp.log2`` in bits)."""
+    return log(jnp.maximum(beta * q + (1.0 - beta) * p, _TINY))
 
 
 def _given_terms(a: jax.Array, b: jax.Array, lse_a: jax.Array, lse_b: jax.Array,
                  spec: PairSpec) -> tuple[jax.Array, jax.Array | None]:
     """This tile's terms of the divergence's and the JSD's ``student_term`` sums (None for a KL), per lane
-    (``[rows, 128]`` each), the lses given: :func:`ce_core.extend.pair_stats_of`'s terms, per tile."""
+    (``[rows, 128]`` each), the lses given: :func:`ce_core.extend.pair_stats_of`'s terms, per tile. In bits: the
+    logits and lses in units of ``log 2`` (times :data:`LOG2E`), so are the terms (v6e, Qwen3-0.6B taught by
+    Qwen3-8B: the JSD's given pass 1.155 -> 1.120 of its MXU minimum, docs/notes/2026-11-29-pallas-pair-kernels.md)."""
     log_p, log_q = a - lse_a, b - lse_b
-    p, q = jnp.exp(log_p), jnp.exp(log_q)
+    p, q = jnp.exp2(log_p), jnp.exp2(log_q)
     if spec.divergence == "forward_kl":
         return _lane_sum(q * (log_q - log_p)), None
     if spec.divergence == "reverse_kl":
         return _lane_sum(p * (log_p - log_q)), None
-    log_m = _log_mixture(p, q, spec.beta)
+    log_m = _log_mixture(p, q, spec.beta, jnp.log2)
     student = _lane_sum(p * (log_p - log_m))
     return spec.beta * _lane_sum(q * (log_q - log_m)) + (1.0 - spec.beta) * student, student
 
@@ -264,14 +269,14 @@ def _walked(specs: list[pl.BlockSpec], *, reads: bool, heads: tuple[int, ...] = 
 
 
 def _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg: PairConfig,
-                 masked: bool) -> tuple[jax.Array, jax.Array]:
+                 masked: bool, in_bits: bool = False) -> tuple[jax.Array, jax.Array]:
     """Both heads' logit tiles of this grid step ``(token block, vocab block)``, the columns past ``V`` masked if
-    ``masked``. Rows past ``N`` and dead rows are computed as they stand: each row's statistics are its own, and
-    the wrapper replaces a dead row's."""
+    ``masked``; ``in_bits``: times :data:`LOG2E` (folded into the row scale). Rows past ``N`` and dead rows are
+    computed as they stand: each row's statistics are their own, and the wrapper replaces a dead row's."""
     spec = cfg.spec
     j = pl.program_id(1)
     cols = _cols_valid(j, cfg) if masked else None
-    scale = scale_ref[...]
+    scale = scale_ref[...] * LOG2E if in_bits else scale_ref[...]
 
     @pl.when(j == 0)  # a token block's hidden states arrive with the row's first vocab block and stay
     def _():
@@ -300,8 +305,8 @@ def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, d
         student_acc[...] = jnp.zeros_like(student_acc)
 
     def step(masked: bool) -> None:
-        tiles = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked)
-        div, student = _given_terms(*tiles, lse_a_ref[...], lse_b_ref[...], cfg.spec)
+        tiles = _stats_tiles(x_ref, w_ref, u_ref, v_ref, scale_ref, cfg, masked, in_bits=True)
+        div, student = _given_terms(*tiles, lse_a_ref[...] * LOG2E, lse_b_ref[...] * LOG2E, cfg.spec)
         div_acc[...] += div
         if student is not None:
             student_acc[...] += student
@@ -309,9 +314,9 @@ def _given_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, d
     common.when_live(live, lambda: _per_block(j, cfg, step))
 
     @pl.when(common.both(j == cfg.nv - 1, live))
-    def _():
-        div_ref[...] = _rows(div_acc[...])
-        student_ref[...] = _rows(student_acc[...])
+    def _():  # the sums in bits, back in nats
+        div_ref[...] = _rows(div_acc[...]) * math.log(2.0)
+        student_ref[...] = _rows(student_acc[...]) * math.log(2.0)
 
 
 def _online_kernel(x_ref, w_ref, u_ref, v_ref, scale_ref, lse_a_ref, lse_b_ref, div_ref, m_a, m_b, z_a, z_b,
