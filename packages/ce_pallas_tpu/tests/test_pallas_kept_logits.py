@@ -774,16 +774,16 @@ def test_the_plan_keeps_whole_token_blocks_per_chunk_and_pads_the_buffers(interp
     assert columns == 4 * 128
     assert plan.running_dw_shape == (256, 3 * 128)  # H padded to 256, whole vocab blocks
     assert plan.extra_bytes == 4 * (rows * columns + 256 * 384)  # one logits buffer through the chunks
-    # A token count nobody tuned for (v6e, Qwen3-0.6B's tied head): the forward's block half the chunk, the
-    # backward's a third of it; the buffer spans the longer padded extent, not a whole number of both blocks
-    # (their lcm, 94,752 rows, would be 31 GB of bf16 logits and their maxima).
+    # A token count nobody tuned for (v6e, Qwen3-0.6B's tied head): the forward's block the whole chunk (3,008
+    # rows), the backward's a third of it; the buffer spans the longer padded extent, not a whole number of both
+    # blocks (their lcm, 94,752 rows, would be 31 GB of bf16 logits and their maxima; 3,024 rows are 1.2 GB).
     from ce_pallas_tpu.target import CHIP_FACTS, Target
 
     v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
     untuned = kept_logits.plan_chunks(3000, 1024, 151936, jnp.bfloat16, jnp.bfloat16, StatsSpec(w_layout="vh"), v6e)
     f, b = untuned.forward, untuned.backward
     assert untuned.chunks == 1 and (f.padded_n, b.padded_n) == (3008, 3024)
-    assert untuned.logits_shape[0] == 3024 and untuned.extra_bytes < 2**30
+    assert untuned.logits_shape[0] == 3024 and untuned.extra_bytes < 1.25 * 2**30
 
 
 def test_v6e_pads_a_chunk_to_whole_lane_token_blocks_where_they_let_its_backward_hold_products_transposed(
@@ -818,6 +818,54 @@ def test_v6e_pads_a_chunk_to_whole_lane_token_blocks_where_they_let_its_backward
     assert short.block_b % 128 and not short.dx_transposed
     for generation, h in (("v6e", 1024), ("v5p", 896)):
         assert backward(generation, 3000, h, "vh") == without_the_rule(generation, 3000, h, "vh"), (generation, h)
+
+
+#: libtpu's figures for the scoped VMEM of v6e's kept forward with bf16 logits, compiled alone with the core's whole
+#: VMEM as its limit (libtpu 0.0.52, 2026-12-04; docs/notes/2026-12-04-kept-store-whole-block.md): (H, block_b,
+#: block_v, layout, lane-maxima columns, MiB). The kept plan's VMEM model must bound each from above.
+KEPT_BF16_FORWARD_VMEM = [
+    (384, 2048, 1024, "vh", 512, 25.25), (384, 4096, 2048, "vh", 512, 72.27),
+    (896, 2048, 1024, "hv", 512, 39.06), (896, 2048, 2048, "hv", 512, 54.8), (896, 4096, 2048, "hv", 512, 96.59),
+    (896, 4096, 2048, "vh", 512, 83.97), (896, 4096, 2048, "vh", 1024, 83.96), (896, 4096, 2048, "hv", 2048, 108.05),
+    (1024, 4096, 1024, "vh", 512, 61.98), (1024, 4096, 2048, "vh", 2048, 102.19), (1024, 2048, 2048, "vh", 2048, 56.18),
+]
+
+
+def test_v6e_keeps_a_narrow_heads_bf16_logits_in_2048_column_blocks_of_two_maxima_groups_where_they_fit():
+    """v6e's kept forward with bf16 logits takes 2048-column blocks of two 1024-column lane-maxima groups (the
+    first group's logits stored while the second's products run) with the chunk's every row where they fit VMEM:
+    Qwen2.5-0.5B's head (``H`` 896), 4096 x 2048; Qwen3-0.6B's (1024) does not fit and keeps 4096 x 1024, one
+    group. The backward reads a block's maxima by the group (``kept_block_v``). The VMEM model bounds libtpu's
+    figures (:data:`KEPT_BF16_FORWARD_VMEM`) from above, and a group that does not divide the block is refused."""
+    from ce_pallas_tpu import ops
+    from ce_pallas_tpu.forward import forward_call
+    from ce_pallas_tpu.layout import cdiv
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+    from ce_pallas_tpu.tiling import vmem_budget
+
+    bf16 = jnp.bfloat16
+    v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
+    budget = vmem_budget(v6e)
+    for h, tiles, group in ((896, (4096, 2048), 1024), (1024, (4096, 1024), 1024)):
+        plan = kept_logits.plan_chunks(16384, h, 151936, bf16, bf16, StatsSpec(w_layout="vh"), v6e)
+        f, b = plan.forward, plan.backward
+        assert (plan.chunk, (f.block_b, f.block_v), f.maxima_columns) == (4096, tiles, group), f
+        assert b.kept_bf16 and b.kept_block_v == group and b.block_v % group == 0, b
+        assert plan.maxima_shape == (plan.logits_shape[0], cdiv(plan.logits_shape[1], group) * 128)
+        shape = ops.problem_shape(plan.chunk, h, 151936, bf16, bf16, StatsSpec(w_layout="vh"))
+        wide = dataclasses.replace(f, block_v=2048, kept_maxima_columns=1024)
+        assert (kept_logits._forward_need(wide, shape, v6e) <= budget) == (h == 896)
+    for h, block_b, block_v, layout, group, mib in KEPT_BF16_FORWARD_VMEM:
+        spec = StatsSpec(w_layout=layout)
+        plan = kept_logits.plan_chunks(4096, h, 151936, bf16, bf16, spec, v6e)
+        cfg = dataclasses.replace(plan.forward, block_b=block_b, block_v=block_v, kept_maxima_columns=group)
+        shape = ops.problem_shape(4096, h, 151936, bf16, bf16, spec)
+        need = kept_logits._forward_need(cfg, shape, v6e)
+        assert plan.forward.kept_bf16 and need >= mib * 2**20, (h, block_b, block_v, layout, group)
+    uneven = dataclasses.replace(plan.forward, block_v=2048, kept_maxima_columns=768)
+    zeros = jnp.zeros((8, 128), bf16)
+    with pytest.raises(ValueError, match="kept_maxima_columns=768"):
+        forward_call(zeros, zeros, jnp.zeros((8, 1), jnp.int32), uneven, kept_shape=(4096, 151936))
 
 
 def test_the_default_keeps_where_the_budget_allows_and_keeping_pays():
@@ -1076,6 +1124,8 @@ def test_bf16_kept_logits_below_their_lane_maxima_are_as_accurate_as_float32_one
         errors[in_bf16] = _kept_errors_with_v6e_fact(monkeypatch, "kept_logits_bf16", in_bf16, kept_configs, x, labels,
                                                      w, options, weights, expected, "bfloat16")
         assert kept_configs and all(cfg.kept_bf16 == in_bf16 for cfg in kept_configs), kept_configs
+        if in_bf16 and tiles == "default":  # 2048-column blocks of two lane-maxima groups, the second past V's
+            assert all((cfg.block_v, cfg.maxima_columns) == (2048, 1024) for cfg in kept_configs), kept_configs
         races = interpret_pallas_call.races
         assert races is not None and not races.races_found
     for below_maxima, as_float32 in zip(errors[True], errors[False], strict=True):

@@ -85,6 +85,16 @@ class ForwardConfig(common.KernelConfig):
     #: bf16 inputs as accurate (an entry near its row's maximum is near its lane's, so it loses no more
     #: than ``delta``'s own bf16 rounding; docs/notes/2026-12-03-kept-logits-bf16.md). The hidden size whole.
     kept_bf16: bool = False
+    #: With :attr:`kept_bf16`, the columns that share a lane maximum (0: the whole block): a multiple of the
+    #: column chunk dividing ``block_v``. A group's logits are stored while the later groups' products run,
+    #: where the whole block's wait for its last product, for 128 float32 maxima per group and row
+    #: (docs/notes/2026-12-04-kept-store-whole-block.md).
+    kept_maxima_columns: int = 0
+
+    @property
+    def maxima_columns(self) -> int:
+        """The columns that share a lane maximum with :attr:`kept_bf16` (:attr:`kept_maxima_columns`)."""
+        return self.kept_maxima_columns or self.block_v
 
     @property
     def label_in_kernel(self) -> bool:
@@ -134,35 +144,42 @@ def _keep(z_ref, logits: jax.Array, first: int) -> jax.Array:
 def _step_chunks(x_ref, w_ref, kept_refs, block_start, cfg: ForwardConfig, ragged: bool):
     """``(first column, raw logits)`` of the step's column chunks: each formed and kept (where the logits are)
     as it is asked for, so that its statistics are taken before the next chunk's product; with
-    :attr:`ForwardConfig.kept_bf16` all formed first (:func:`_keep_below_lane_max`)."""
+    :attr:`ForwardConfig.kept_bf16` a lane-maxima group's chunks at a time (:func:`_keep_below_lane_max`)."""
     z_ref, m_ref = kept_refs
     if m_ref is not None:
-        yield from zip(cfg.column_chunks, _keep_below_lane_max(x_ref, w_ref, kept_refs, block_start, cfg, ragged),
-                       strict=True)
+        for group in range(0, cfg.block_v, cfg.maxima_columns):
+            firsts = [first for first in cfg.column_chunks if group <= first < group + cfg.maxima_columns]
+            yield from zip(firsts, _keep_below_lane_max(x_ref, w_ref, kept_refs, block_start, group, firsts, cfg,
+                                                        ragged), strict=True)
         return
     for first in cfg.column_chunks:
         yield first, _keep(z_ref, _chunk(x_ref, w_ref, first, cfg), first)
 
 
-def _keep_below_lane_max(x_ref, w_ref, kept_refs, block_start, cfg: ForwardConfig, ragged: bool) -> list[jax.Array]:
-    """The step's column chunks of raw logits (float32), all formed first: ``m``, each lane's maximum over them
-    (``[b, 128]``, an elementwise max of the 128-wide column groups, no cross-lane work), goes into the lane
-    maxima's block and ``bf16(z - m)`` into the kept block. Columns past ``V`` (``ragged``: the step may hold
-    some) take no part in ``m``; a lane with none before ``V`` takes ``m = 0``."""
+def _keep_below_lane_max(x_ref, w_ref, kept_refs, block_start, group: int, firsts: list[int], cfg: ForwardConfig,
+                         ragged: bool) -> list[jax.Array]:
+    """The raw logits (float32) of the column chunks at ``firsts``, the lane-maxima group of the step's
+    columns that starts at ``group``, all formed first: ``m``, each lane's maximum over them (``[b, 128]``,
+    an elementwise max of their 128-wide column groups, no cross-lane work), goes into the lane maxima's
+    block and ``bf16(z - m)`` into the kept block. Columns past ``V`` (``ragged``: the step may hold some)
+    take no part in ``m``; a lane with none before ``V`` takes ``m = 0``."""
     z_ref, m_ref = kept_refs
-    chunks = [_chunk(x_ref, w_ref, first, cfg) for first in cfg.column_chunks]
-    groups = [(first + g, chunk[:, g:g + LANES]) for first, chunk in zip(cfg.column_chunks, chunks, strict=True)
-              for g in range(0, chunk.shape[1], LANES)]
+    chunks = [_chunk(x_ref, w_ref, first, cfg) for first in firsts]
+    lanes = [(first + g, chunk[:, g:g + LANES]) for first, chunk in zip(firsts, chunks, strict=True)
+             for g in range(0, chunk.shape[1], LANES)]
     if ragged:
         lane = jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, LANES), 1)
-        counted = [jnp.where(lane < cfg.v - block_start - start, zg, -jnp.inf) for start, zg in groups]
+        counted = [jnp.where(lane < cfg.v - block_start - start, zg, -jnp.inf) for start, zg in lanes]
         m = functools.reduce(jnp.maximum, counted)
         m = jnp.where(m == -jnp.inf, 0.0, m)
     else:
-        m = functools.reduce(jnp.maximum, [zg for _, zg in groups])
-    for start, zg in groups:
-        z_ref[:, pl.ds(start, LANES)] = (zg - m).astype(z_ref.dtype)
-    m_ref[...] = m
+        m = functools.reduce(jnp.maximum, [zg for _, zg in lanes])
+    # The group's logits in one store: stored a 128-column group at a time, Mosaic packs each float32
+    # register into a bf16 one of its own and stores it half empty (twice the packs and stores; v6e's
+    # forward at H 896: 1.213 -> 1.172 of its MXU minimum, docs/notes/2026-12-04-kept-store-whole-block.md).
+    z_ref[:, pl.ds(group, cfg.maxima_columns)] = jnp.concatenate([(zg - m).astype(z_ref.dtype) for _, zg in lanes],
+                                                                 axis=1)
+    m_ref[:, pl.ds(group // cfg.maxima_columns * LANES, LANES)] = m
     return chunks
 
 
@@ -482,6 +499,10 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     if cfg.kept_bf16 and not (cfg.keep_logits and cfg.nh == 1 and cfg.block_v % LANES == 0):
         raise ValueError("forward_call: kept_bf16 needs keep_logits, the hidden size whole and block_v a multiple "
                          f"of {LANES}")
+    chunk = cfg.column_chunk or cfg.block_v
+    if cfg.kept_bf16 and (cfg.block_v % cfg.maxima_columns or cfg.maxima_columns % chunk):
+        raise ValueError(f"forward_call: kept_maxima_columns={cfg.kept_maxima_columns} must divide block_v="
+                         f"{cfg.block_v} and be a multiple of the column chunk ({chunk})")
     if logits_into is not None:
         if not cfg.keep_logits or logits_into.shape != kept_shape or logits_into.dtype != kept_dtype:
             raise ValueError(f"forward_call: logits_into must be {jnp.dtype(kept_dtype).name} {kept_shape} with "
@@ -502,9 +523,10 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
             raise ValueError(f"forward_call: kept_shape {kept_shape} does not hold the grid's logit blocks")
         out_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v), lambda c, i, j, k: (i, c * nvc + j)))
         out_shape.append(common.out_type(kept_shape, kept_dtype, axes))
-        if cfg.kept_bf16:  # the lane maxima: 128 a row and vocab block
-            out_specs.append(pl.BlockSpec((cfg.block_b, LANES), lambda c, i, j, k: (i, c * nvc + j)))
-            out_shape.append(common.out_type(kept_maxima_shape(kept_shape, cfg.block_v), jnp.float32, axes))
+        if cfg.kept_bf16:  # the lane maxima: 128 a row and lane-maxima group
+            out_specs.append(pl.BlockSpec((cfg.block_b, cfg.block_v // cfg.maxima_columns * LANES),
+                                          lambda c, i, j, k: (i, c * nvc + j)))
+            out_shape.append(common.out_type(kept_maxima_shape(kept_shape, cfg.maxima_columns), jnp.float32, axes))
     # Running max (streamed: reference), sum of exp (, label logit)(, logit sum)(, weighted sum)(, top
     # logit, its index), per row, or per row and lane when streamed.
     stat_dtypes = [jnp.float32] * cfg.n_stats + [jnp.int32 if cfg.with_argmax else jnp.float32]
@@ -546,10 +568,11 @@ def forward_call(x: jax.Array, w: jax.Array, labels: jax.Array, cfg: ForwardConf
     )(*inputs)
 
 
-def kept_maxima_shape(kept_shape: tuple[int, int], block_v: int) -> tuple[int, int]:
-    """The lane maxima of bf16 kept logits (:attr:`ForwardConfig.kept_bf16`): 128 per row and vocab block of
-    ``block_v`` columns (a last block in part past the buffer's columns included)."""
-    return kept_shape[0], cdiv(kept_shape[1], block_v) * LANES
+def kept_maxima_shape(kept_shape: tuple[int, int], maxima_columns: int) -> tuple[int, int]:
+    """The lane maxima of bf16 kept logits (:attr:`ForwardConfig.kept_bf16`): 128 per row and lane-maxima group
+    of ``maxima_columns`` columns (:attr:`ForwardConfig.maxima_columns`; a last group in part past the buffer's
+    columns included)."""
+    return kept_shape[0], cdiv(kept_shape[1], maxima_columns) * LANES
 
 
 #: The most bytes of gathered ``w`` rows :func:`label_logits` holds at once: it takes the tokens in

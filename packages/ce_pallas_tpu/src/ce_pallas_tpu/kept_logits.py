@@ -153,7 +153,7 @@ class KeptPlan:
     @property
     def maxima_shape(self) -> tuple[int, int] | None:
         """The lane maxima of bf16 kept logits (:attr:`ForwardConfig.kept_bf16`), or None: float32 logits."""
-        return kept_maxima_shape(self.logits_shape, self.forward.block_v) if self.forward.kept_bf16 else None
+        return kept_maxima_shape(self.logits_shape, self.forward.maxima_columns) if self.forward.kept_bf16 else None
 
     @property
     def kept_row_bytes(self) -> int:
@@ -507,10 +507,11 @@ def _fit_split(chunk: int, h: int, v: int, x_dtype: Any, w_dtype: Any, spec: Sta
             backward = _fit_backward(base, shape, budget, floor, explicit, split, target, in_bf16)
             if _backward_need(backward, shape) <= budget:
                 forward = _fit_forward(base, shape, target, budget, explicit, in_bf16)
-                if in_bf16 and max(forward.block_v, backward.block_v) % min(forward.block_v, backward.block_v):
+                group = forward.maxima_columns
+                if in_bf16 and max(group, backward.block_v) % min(group, backward.block_v):
                     forward = dataclasses.replace(forward, kept_bf16=False)  # no lane maxima's block in common
                 backward = dataclasses.replace(backward, kept_bf16=forward.kept_bf16,
-                                               kept_block_v=forward.block_v if forward.kept_bf16 else 0)
+                                               kept_block_v=forward.maxima_columns if forward.kept_bf16 else 0)
                 if max(_backward_need(backward, shape), _forward_need(forward, shape, target)) <= budget:
                     return forward, backward, size
             if size <= MIN_FITTED_CHUNK:
@@ -541,7 +542,51 @@ def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: in
     cfg = dataclasses.replace(base.forward, keep_logits=True, kept_bf16=in_bf16)
     if _forward_need(cfg, shape, target) > budget:
         cfg = _largest_fitting_forward(cfg, shape, target, budget)
-    return cfg if explicit else _grown_for_kept_writes(cfg, shape, target, budget)
+    if not explicit:
+        cfg = _widened_for_bf16_groups(_grown_for_kept_writes(cfg, shape, target, budget), shape, target, budget)
+    return dataclasses.replace(cfg, kept_maxima_columns=lane_maxima_columns(cfg))
+
+
+#: The vocab block of a kept forward with bf16 logits (:func:`_widened_for_bf16_groups`).
+KEPT_BF16_BLOCK_V = 2048
+
+
+def _widened_for_bf16_groups(cfg: ForwardConfig, shape: cost_model.Shape, target: Target,
+                             budget: int) -> ForwardConfig:
+    """A kept forward with bf16 logits (:attr:`ForwardConfig.kept_bf16`) in blocks of :data:`KEPT_BF16_BLOCK_V`
+    columns and the most rows (up to the chunk's, down to its own) that fit VMEM with them: a step's first
+    lane-maxima group (:func:`lane_maxima_columns`) stores its logits while the second group's products run, so
+    less of the step is left after its last product, and a block of the chunk's every row reads ``w`` once
+    (v6e, Qwen2.5-0.5B's head, 4096-token chunks: 4096 x 1024 tiles 1.172 of the MXU minimum, 2048 x 4096
+    1.162, 4096 x 2048 1.153). Unchanged where no such block fits (Qwen3-0.6B's 4096 x 1024 at 1.170, against
+    2048 x 2048's 1.182) or the vocabulary is narrower."""
+    if not cfg.kept_bf16 or cfg.column_chunk is None or KEPT_BF16_BLOCK_V > round_up(shape.v, LANES):
+        return cfg
+    rows = cfg.block_b
+    while cfg.padded_n % (2 * rows) == 0:
+        rows *= 2
+    while rows >= cfg.block_b:
+        trial = dataclasses.replace(cfg, block_b=rows, block_v=KEPT_BF16_BLOCK_V)
+        trial = dataclasses.replace(trial, kept_maxima_columns=lane_maxima_columns(trial))
+        if _forward_need(trial, shape, target) <= budget:
+            return trial
+        rows //= 2
+    return cfg
+
+
+#: Column chunks to a lane-maxima group of the kept forward (:attr:`ForwardConfig.kept_maxima_columns`).
+KEPT_MAXIMA_CHUNKS = 4
+
+
+def lane_maxima_columns(cfg: ForwardConfig) -> int:
+    """The kept forward's lane-maxima group: :data:`KEPT_MAXIMA_CHUNKS` column chunks (v6e: 1024 columns) where
+    the block holds several such groups; the whole block otherwise (0), and without bf16 logits. (Groups of 512
+    columns took v6e's forward at Qwen2.5-0.5B's head to 1.145 of its MXU minimum, 256 to 1.065 but past its
+    HBM floor, and the backward, whose block then spans four groups' maxima, from 1.073 to 1.151.)"""
+    chunk = cfg.column_chunk
+    if not cfg.kept_bf16 or chunk is None or cfg.block_v % (2 * KEPT_MAXIMA_CHUNKS * chunk):
+        return 0
+    return KEPT_MAXIMA_CHUNKS * chunk
 
 
 def _largest_fitting_forward(cfg: ForwardConfig, shape: cost_model.Shape, target: Target,
@@ -573,13 +618,21 @@ def _halvable_forward_width(block_v: int, target: Target) -> bool:
 
 
 def _forward_need(cfg: ForwardConfig, shape: cost_model.Shape, target: Target) -> int:
-    """VMEM of the kept forward: the forward's model plus two float32 blocks of the logits it writes; with
-    :attr:`ForwardConfig.kept_bf16` two bf16 blocks and two of lane maxima, and the step's float32 tile, whole
-    before its maxima are known."""
+    """VMEM of the kept forward: the forward's model plus two float32 blocks of the logits it writes. With
+    :attr:`ForwardConfig.kept_bf16`: two bf16 blocks and two of lane maxima, and the float32 values of one
+    lane-maxima group, formed before its maxima are known (:attr:`ForwardConfig.maxima_columns`); the
+    forward's model then counts no label statistic where the kernel takes none (a ``[V, H]`` head's label
+    logit is taken beside it). Fitted to libtpu's figures at 16 tiles on v6e (``H`` 384-1024, 2048-4096
+    rows, 1024-2048 columns, both layouts), every one bounded from above by 3.7-17.5 MiB
+    (docs/notes/2026-12-04-kept-store-whole-block.md)."""
     model = cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
-    if cfg.kept_bf16:
-        return model + (2 * 2 + 4) * cfg.block_b * cfg.block_v + 2 * 4 * cfg.block_b * LANES
-    return model + 2 * 4 * cfg.block_b * cfg.block_v
+    if not cfg.kept_bf16:
+        return model + 2 * 4 * cfg.block_b * cfg.block_v
+    rows = round_up(cfg.block_b, 8)
+    label = 0 if cfg.label_in_kernel else 4 * 4 * rows * LANES  # its output's and its state's two slots
+    groups = cfg.block_v // cfg.maxima_columns
+    kept = 2 * 2 * cfg.block_b * cfg.block_v + 2 * 4 * rows * LANES * groups
+    return model - label + kept + 4 * cfg.block_b * cfg.maxima_columns
 
 
 def _kept_forward_hides(block_b: int, shape: cost_model.Shape, target: Target, logit_bytes: int = 4) -> bool:
@@ -620,7 +673,11 @@ def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     recompute = cost_model.backward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, single_w=cfg.w_buffers == 1)
     blocked = 2 * cfg.block_b * hp * (shape.x_bytes + 4)
     resident = rows * hp * (shape.x_bytes + 4)
-    logits = 2 * cfg.block_b * (2 * cfg.block_v + 4 * LANES if cfg.kept_bf16 else 4 * cfg.block_v)
+    # A block's float32 lane maxima: 128 a forward lane-maxima group (before the forward is fitted, the
+    # narrowest group it takes, :func:`lane_maxima_columns`).
+    group = cfg.kept_block_v or KEPT_MAXIMA_CHUNKS * 256
+    maxima = 4 * LANES * max(1, cfg.block_v // group)
+    logits = 2 * cfg.block_b * (2 * cfg.block_v + maxima if cfg.kept_bf16 else 4 * cfg.block_v)
     return recompute - blocked + resident + logits + 4 * blocks
 
 

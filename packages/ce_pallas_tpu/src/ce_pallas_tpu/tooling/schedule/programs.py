@@ -58,6 +58,10 @@ def kernel_config(kernel: str, n: int, hidden: int, v: int, x_dtype: Any, w_dtyp
         whole = getattr(cfg, "hidden_tile", cfg.hp)  # a kept backward's hidden tile (its products' extent)
         cfg = dataclasses.replace(cfg, block_b=block_b, block_h=whole if block_h is None else block_h,
                                   block_v=block_v, num_cores=active_cores(current_target().num_cores, cdiv(v, block_v)))
+        if isinstance(cfg, ForwardConfig) and cfg.kept_bf16:  # the pinned block's lane-maxima groups
+            from ce_pallas_tpu import kept_logits
+
+            cfg = dataclasses.replace(cfg, kept_maxima_columns=kept_logits.lane_maxima_columns(cfg))
     if w_buffers is not None and kernel == "backward":
         cfg = dataclasses.replace(cfg, w_buffers=w_buffers)
     return cfg

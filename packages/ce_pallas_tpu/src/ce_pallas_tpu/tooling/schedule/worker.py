@@ -103,9 +103,9 @@ def block_bytes_per_step(job: Job, cfg: Any) -> float:
 
     x_bytes, w_bytes = jnp.dtype(job.x_dtype).itemsize, jnp.dtype(job.w_dtype).itemsize
     logits = 4 * cfg.block_b * cfg.block_v if job.keep_logits else 0  # the kept logits' block, out or in
-    if getattr(cfg, "kept_bf16", False):  # bf16, and a step's lane maxima (128 a forward block, float32)
-        forward_blocks = max(1, cfg.block_v // getattr(cfg, "kept_block_v", cfg.block_v))
-        logits = 2 * cfg.block_b * cfg.block_v + 4 * cfg.block_b * 128 * forward_blocks
+    if getattr(cfg, "kept_bf16", False):  # bf16, and a step's lane maxima (128 a lane-maxima group, float32)
+        group = cfg.maxima_columns if job.kernel == "forward" else cfg.kept_block_v
+        logits = 2 * cfg.block_b * cfg.block_v + 4 * cfg.block_b * 128 * max(1, cfg.block_v // group)
     if job.kernel == "backward" and job.keep_logits:  # x and dx stay in VMEM for the chunk (per hidden tile)
         # dw per vocab block: the float32 running sum read and written, or the finished block in w's dtype.
         reads, writes = running_dw(job.chunk_role)
