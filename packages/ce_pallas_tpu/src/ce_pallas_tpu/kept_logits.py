@@ -622,7 +622,7 @@ def _forward_need(cfg: ForwardConfig, shape: cost_model.Shape, target: Target) -
     :attr:`ForwardConfig.kept_bf16`: two bf16 blocks and two of lane maxima, and the float32 values of one
     lane-maxima group, formed before its maxima are known (:attr:`ForwardConfig.maxima_columns`); the
     forward's model then counts no label statistic where the kernel takes none (a ``[V, H]`` head's label
-    logit is taken beside it). Fitted to libtpu's figures at 16 tiles on v6e (``H`` 384-1024, 2048-4096
+    logit is taken beside it). Fitted to libtpu's figures at 22 tiles on v6e (``H`` 384-1024, 2048-4096
     rows, 1024-2048 columns, both layouts), every one bounded from above by 3.7-17.5 MiB
     (docs/notes/2026-12-04-kept-store-whole-block.md)."""
     model = cost_model.forward_bytes(shape, cfg.block_b, cfg.block_h, cfg.block_v, chip=target.facts)
@@ -674,7 +674,7 @@ def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     blocked = 2 * cfg.block_b * hp * (shape.x_bytes + 4)
     resident = rows * hp * (shape.x_bytes + 4)
     # A block's float32 lane maxima: 128 a forward lane-maxima group (before the forward is fitted, the
-    # narrowest group it takes, :func:`lane_maxima_columns`).
+    # narrowest group it takes, :func:`lane_maxima_columns`: 1024 columns on v6e, the one chip keeping bf16 logits).
     group = cfg.kept_block_v or KEPT_MAXIMA_CHUNKS * 256
     maxima = 4 * LANES * max(1, cfg.block_v // group)
     logits = 2 * cfg.block_b * (2 * cfg.block_v + maxima if cfg.kept_bf16 else 4 * cfg.block_v)
