@@ -1,8 +1,8 @@
 """The kept-logits kernels across the model-head matrix, from libtpu's static schedule (no TPU needed).
 
     uv run python tools/kept_matrix.py kernels GEN [--heads a,b] [--skip-recompute | --only-recompute] [--tokens 4096]
-        [--kept-backward-only]
-    uv run python tools/kept_matrix.py materialised GEN --heads a,b --v-small 8192 --tokens 2048,4096
+        [--kept-backward-only] [--objective rl]
+    uv run python tools/kept_matrix.py materialised GEN --heads a,b --v-small 8192 --tokens 2048,4096 [--objective rl]
     uv run python tools/kept_matrix.py table [--save]
 
 ``kernels``: per head of ``ce_bench.presets.MODEL_HEADS`` (tied heads in their ``[V, H]`` layout), the
@@ -11,6 +11,10 @@ chunk (``schedule.Job(kernel, chunk, h, v, keep_logits=True)``) and the recomput
 one ``schedule.measure`` call per generation. ``materialised``: ``step.measure_step_ops(gen, "materialised",
 n, h, v_small)`` (the whole value_and_grad step of the materialised baseline) at two token counts above the
 roofline ridge and a reduced vocabulary, to be scaled linearly to the full V. ``table``: the figures.
+``--objective rl``: the fused RL objective with an entropy bonus instead of the plain loss: its kernels take the
+entropy's statistic (``StatsSpec(with_expected=True)``, as ``linear_token_objective`` with
+``PolicyLoss(entropy_coefficient=...)`` asks), and its baseline is ``step.py``'s ``materialised_rl`` step. (A policy
+loss without the entropy bonus runs the plain loss's kernels: its cotangents are per-row values too.)
 Raw records go to docs/notes/data/kept-logits-matrix.json (each command updates its own part).
 """
 
@@ -30,6 +34,19 @@ TOKENS = (4096, 16384)
 #: Heads tied to the input embedding: measured in the layout their models store them in (``[V, H]``).
 TIED = {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "gemma2-2b", "gemma2-9b"}
 GENERATIONS = ("v5e", "v5p", "v6e")
+#: The objectives measured: the plain mean loss, and the RL objective with an entropy bonus (the entropy statistic).
+OBJECTIVES = ("loss", "rl")
+#: The materialised baseline's step of each objective (``ce_pallas_tpu.tooling.schedule.step.LOSSES``).
+BASELINE_PATHS = {"loss": "materialised", "rl": "materialised_rl"}
+
+
+def objective_of(record: dict) -> str:
+    """A plan's or materialised point's objective (records before the RL objective was measured: the loss)."""
+    return record.get("objective", "loss")
+
+
+def plan_key(name: str, n: int, objective: str) -> str:
+    return f"{name}@{n}" if objective == "loss" else f"{name}@{n}:{objective}"
 
 
 def heads(selected: str | None) -> list[tuple[str, int, int]]:
@@ -43,7 +60,7 @@ def layout(name: str) -> str:
     return "vh" if name in TIED else "hv"
 
 
-def kept_plan(gen: str, n: int, h: int, v: int, w_layout: str):
+def kept_plan(gen: str, n: int, h: int, v: int, w_layout: str, objective: str = "loss"):
     import jax.numpy as jnp
 
     from ce_core import StatsSpec
@@ -51,7 +68,8 @@ def kept_plan(gen: str, n: int, h: int, v: int, w_layout: str):
     from ce_pallas_tpu.target import CHIP_FACTS, Target
 
     target = Target(gen, CHIP_FACTS[gen].num_cores, None)
-    spec = StatsSpec(w_layout=w_layout, keep_logits=True)  # the plain mean loss, as the schedule worker builds it
+    # The plain mean loss, as the schedule worker builds it; the RL objective with the entropy's statistic.
+    spec = StatsSpec(w_layout=w_layout, keep_logits=True, with_expected=objective == "rl")
     return kept_logits.plan_chunks(n, h, v, jnp.bfloat16, jnp.bfloat16, spec, target=target)
 
 
@@ -93,14 +111,17 @@ def commit() -> str:
 def cmd_kernels(args: argparse.Namespace) -> None:
     from ce_pallas_tpu.tooling import schedule
 
-    gen = args.gen
+    gen, objective = args.gen, args.objective
+    rl = objective == "rl"
     jobs, kept_jobs, plans = [], [], {}
     tokens = TOKENS if args.tokens is None else tuple(int(t) for t in args.tokens.split(","))
     for name, h, v in heads(args.heads):
         lay = layout(name)
         for n in tokens:
-            plan = kept_plan(gen, n, h, v, lay)
-            plans[f"{name}@{n}"] = {"head": name, "n": n, "h": h, "v": v, "w_layout": lay, "chunk": plan.chunk,
+            plan = kept_plan(gen, n, h, v, lay, objective)
+            key = plan_key(name, n, objective)
+            plans[key] = {"head": name, "n": n, "h": h, "v": v, "w_layout": lay, "objective": objective,
+                          "chunk": plan.chunk,
                                     "chunks": plan.chunks, "extra_bytes": plan.extra_bytes,
                                     "logits_shape": list(plan.logits_shape),
                                     "running_dw_shape": list(plan.running_dw_shape),
@@ -116,7 +137,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
             # started, added onto, ended differently), and the middle role of each piece's rows: a stand-in for the
             # cycles of a role whose profile reads below its MXU minimum (the last's, on v6e).
             calls = schedule.kept_jobs(plan, w_layout=lay)
-            plans[f"{name}@{n}"]["calls"] = [[job.kernel, job.n, job.chunk_role, count] for job, count in calls]
+            plans[key]["calls"] = [[job.kernel, job.n, job.chunk_role, count] for job, count in calls]
             kept = [job for job, _ in calls]
             kept += [dataclasses.replace(job, chunk_role="middle") for job in kept
                      if job.kernel == "backward" and job.chunk_role != "middle"]
@@ -129,7 +150,8 @@ def cmd_kernels(args: argparse.Namespace) -> None:
                                               and json.dumps(dataclasses.asdict(job), sort_keys=True) in recorded)]
     if not args.skip_recompute:
         for name, h, v in heads(args.heads):
-            jobs += [schedule.Job(k, n, h, v, w_layout=layout(name)) for n in tokens for k in ("forward", "backward")]
+            jobs += [schedule.Job(k, n, h, v, w_layout=layout(name), with_expected=rl) for n in tokens
+                     for k in ("forward", "backward")]
     start = time.time()
     records = schedule.measure(gen, jobs)
     data = load()
@@ -141,6 +163,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
         current = {json.dumps(dataclasses.asdict(job), sort_keys=True) for job in jobs + kept_jobs}
         measured = {(h, v) for _, h, v in heads(args.heads)}
         kernels[:] = [old for old in kernels if not old["job"]["keep_logits"]
+                      or old["job"].get("with_expected", False) != rl  # the other objective's
                       or json.dumps(old["job"], sort_keys=True) in current
                       or (old["job"]["h"], old["job"]["v"]) not in measured]
     for job, record in zip(jobs, records, strict=True):
@@ -148,7 +171,8 @@ def cmd_kernels(args: argparse.Namespace) -> None:
         key = json.dumps(entry["job"], sort_keys=True)  # as JSON: tiles are a tuple here, a list in the records
         kernels[:] = [old for old in kernels if json.dumps(old["job"], sort_keys=True) != key] + [entry]
     data.setdefault("plans", {}).setdefault(gen, {}).update(plans)
-    data.setdefault("runs", []).append({"command": " ".join(sys.argv), "gen": gen, "jobs": len(jobs),
+    data.setdefault("runs", []).append({"command": " ".join(sys.argv), "gen": gen, "objective": objective,
+                                        "jobs": len(jobs),
                                         "wall_s": round(time.time() - start, 1), "commit": commit(),
                                         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     save(data)
@@ -160,20 +184,23 @@ def cmd_materialised(args: argparse.Namespace) -> None:
     data = load()
     data.setdefault("environment", environment())
     out = data.setdefault("materialised", {}).setdefault(args.gen, [])
+    path, objective = BASELINE_PATHS[args.objective], args.objective
     for name, h, v in heads(args.heads):
         for n in (int(t) for t in args.tokens.split(",")):
             start = time.time()
+            point = {"head": name, "n": n, "h": h, "v_small": args.v_small, "v_full": v}
+            if objective != "loss":
+                point["objective"] = objective
             try:
-                ops = step.measure_step_ops(args.gen, "materialised", n, h, args.v_small)
-                entry = {"head": name, "n": n, "h": h, "v_small": args.v_small, "v_full": v,
-                         **dataclasses.asdict(ops), "wall_s": round(time.time() - start, 1)}
+                ops = step.measure_step_ops(args.gen, path, n, h, args.v_small)
+                entry = {**point, **dataclasses.asdict(ops), "wall_s": round(time.time() - start, 1)}
             except Exception as error:  # recorded, the next one goes on
-                entry = {"head": name, "n": n, "h": h, "v_small": args.v_small, "v_full": v,
-                         "error": f"{type(error).__name__}: {str(error)[:300]}",
+                entry = {**point, "error": f"{type(error).__name__}: {str(error)[:300]}",
                          "wall_s": round(time.time() - start, 1)}
-            out[:] = [o for o in out if (o["head"], o["n"], o["v_small"]) != (name, n, args.v_small)] + [entry]
+            same = (name, n, args.v_small, objective)
+            out[:] = [o for o in out if (o["head"], o["n"], o["v_small"], objective_of(o)) != same] + [entry]
             save(data)
-            print(f"{args.gen} materialised {name} N={n} V={args.v_small}: "
+            print(f"{args.gen} {path} {name} N={n} V={args.v_small}: "
                   f"{entry.get('xla_cycles', entry.get('error'))} ({entry['wall_s']} s)", file=sys.stderr, flush=True)
 
 
@@ -205,7 +232,8 @@ def _usable(record: dict | None) -> dict | None:
 def _backward_record(records: list[dict], plan: dict, rows: int, role: str) -> dict | None:
     """The record of ``plan``'s backward over ``rows`` rows in ``role``, at the plan's tiles."""
     return _find(records, kernel="backward", n=rows, h=plan["h"], v=plan["v"], keep_logits=True,
-                 w_layout=plan["w_layout"], tiles=plan["backward_tiles"], chunk_role=role)
+                 w_layout=plan["w_layout"], tiles=plan["backward_tiles"], chunk_role=role,
+                 with_expected=objective_of(plan) == "rl")
 
 
 def _backward_ms(records: list[dict], plan: dict, rows: int, role: str) -> float | None:
@@ -227,11 +255,12 @@ def _is_gather(op: str) -> bool:
 
 
 @functools.cache
-def gather_cycles_per_entry(gen: str) -> float | None:
+def gather_cycles_per_entry(gen: str, objective: str = "loss") -> float | None:
     """What step.py charges the SparseCore label pick per ``[N, V]`` entry on ``gen``: its three ops at a float32
     read each, from the points whose only estimated ops are those (the same rate at every N and V measured)."""
     rates = [e["estimated_cycles"] / (e["n"] * e["v_small"]) for e in load().get("materialised", {}).get(gen, [])
-             if e.get("estimated_ops") and all(_is_gather(op) for op in e["estimated_ops"])]
+             if e.get("estimated_ops") and all(_is_gather(op) for op in e["estimated_ops"])
+             and objective_of(e) == objective]
     return sum(rates) / len(rates) if rates else None
 
 
@@ -249,7 +278,7 @@ def point_ms(gen: str, e: dict) -> float:
     if ops and all(_is_gather(op) for op in ops):
         total -= e["estimated_cycles"]
     elif any(_is_gather(op) for op in ops):
-        rate = gather_cycles_per_entry(gen)
+        rate = gather_cycles_per_entry(gen, objective_of(e))
         if rate is None:
             raise ValueError(f"{gen}: no point prices the label pick alone, so {e['head']} at N={e['n']} "
                              "cannot drop it")
@@ -276,7 +305,7 @@ def materialised_fit(gen: str, name: str, entries: list[dict], v_small: int | No
             "v_small": small["v_small"], "v_full": small["v_full"], "scale": small["v_full"] / small["v_small"]}
 
 
-def default_choice(gen: str, n: int, h: int, v: int, w_layout: str) -> str:
+def default_choice(gen: str, n: int, h: int, v: int, w_layout: str, objective: str = "loss") -> str:
     """What ``keep_logits=None`` does here (``kept_logits.choose``): ``kept@CHUNK`` or ``recompute``."""
     import jax.numpy as jnp
 
@@ -287,8 +316,8 @@ def default_choice(gen: str, n: int, h: int, v: int, w_layout: str) -> str:
     if not hasattr(kept_logits, "choose"):
         return "-"
     target = Target(gen, CHIP_FACTS[gen].num_cores, None)
-    plan = kept_logits.choose(n, h, v, jnp.bfloat16, jnp.bfloat16, StatsSpec(w_layout=w_layout),
-                              target)
+    plan = kept_logits.choose(n, h, v, jnp.bfloat16, jnp.bfloat16,
+                              StatsSpec(w_layout=w_layout, with_expected=objective == "rl"), target)
     return "recompute" if plan is None else f"kept@{plan.chunk}"
 
 
@@ -358,12 +387,14 @@ def rows() -> list[dict]:
         chip = SCHEDULE_CHIPS[gen]
         cores = CHIP_FACTS[gen].num_cores
         peak = chip.bf16_flops * cores
-        mat = data.get("materialised", {}).get(gen, [])
         for plan in data.get("plans", {}).get(gen, {}).values():
             name, n, h, v, lay, chunk = plan["head"], plan["n"], plan["h"], plan["v"], plan["w_layout"], plan["chunk"]
+            objective = objective_of(plan)
+            rl = objective == "rl"
+            mat = [e for e in data.get("materialised", {}).get(gen, []) if objective_of(e) == objective]
             # The kernels the plan runs: records of another plan at the same chunk (other tiles) do not count.
             fwd = _find(records, kernel="forward", n=chunk, h=h, v=v, keep_logits=True, w_layout=lay,
-                        tiles=plan["forward_tiles"])
+                        tiles=plan["forward_tiles"], with_expected=rl)
             # Each backward call (a chunk, or a piece of one: plans since 2026-12-02 list their calls) in its role;
             # a role not measured (records before 2026-12-01), failed, or profiled below its MXU minimum (impossible:
             # v6e Llama-3 8B's last 1536-token chunk read 0.62) counts at the middle role's cycles at the same rows
@@ -382,10 +413,11 @@ def rows() -> list[dict]:
             below = bwd is None
             if below:
                 bwd = next((record for record in candidates if record is not None and not record.get("error")), None)
-            rfwd = _find(records, kernel="forward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
-            rbwd = _find(records, kernel="backward", n=n, h=h, v=v, keep_logits=False, w_layout=lay)
+            rfwd = _find(records, kernel="forward", n=n, h=h, v=v, keep_logits=False, w_layout=lay, with_expected=rl)
+            rbwd = _find(records, kernel="backward", n=n, h=h, v=v, keep_logits=False, w_layout=lay, with_expected=rl)
             mxu_ms = 8 * n * h * v / peak * 1e3
-            row = {"gen": gen, "head": name, "n": n, "h": h, "v": v, "w_layout": lay, "chunk": chunk,
+            row = {"gen": gen, "objective": objective, "head": name, "n": n, "h": h, "v": v, "w_layout": lay,
+                   "chunk": chunk,
                    "chunks": plan["chunks"], "extra_gib": plan["extra_bytes"] / 2**30, "mxu_8nhv_ms": mxu_ms,
                    "pieces": plan.get("pieces", []),
                    "kept_bwd_roles_as_middle": [role for role in roles if by_role[role] is None],
@@ -438,7 +470,7 @@ def rows() -> list[dict]:
                 if "kept_ms" in row:
                     row["kept_over_recompute"] = row["kept_ms"] / row["recompute_ms"]
             row["recompute_errors"] = [r["error"] for r in (rfwd, rbwd) if r is not None and r.get("error")]
-            row["default_choice"] = default_choice(gen, n, h, v, lay)
+            row["default_choice"] = default_choice(gen, n, h, v, lay, objective)
             model = materialised_model(gen, name, mat)
             v_used = sorted({e["v_small"] for e in mat if e["head"] == name and not e.get("error")})
             fit = None
@@ -493,11 +525,11 @@ def cmd_table(args: argparse.Namespace) -> None:
 
     order = {name: i for i, (name, _, _) in enumerate(MODEL_HEADS)}
     table.sort(key=lambda r: (GENERATIONS.index(r["gen"]), order[r["head"]], r["n"]))
-    for gen in GENERATIONS:
-        selected = [r for r in table if r["gen"] == gen]
+    for gen, objective in ((gen, objective) for objective in OBJECTIVES for gen in GENERATIONS):
+        selected = [r for r in table if r["gen"] == gen and r["objective"] == objective]
         if not selected:
             continue
-        print(f"\n### {gen}\n")
+        print(f"\n### {gen}{'' if objective == 'loss' else f' ({objective} objective)'}\n")
         print("| head | N | chunk | kept kernels ms (fwd/bwd ratio) | kept XLA ms | kept ms | kept/8NHV | "
               "recompute ms | rec/8NHV | materialised ms | mat/8NHV | kept/mat | extra GiB | default |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -513,12 +545,14 @@ def cmd_table(args: argparse.Namespace) -> None:
                   f"| {_f(r.get('kept_over_materialised'), 2)} | {r['extra_gib']:.2f} | {r['default_choice']} |")
     print("\n(a) Its backward's profile reads below the kernel's MXU minimum (libtpu optimistic): a lower bound.")
     print("\n### materialised step points (ms at the reduced V; fit through the two N; scaled to the full V)\n")
-    print("| gen | head | V small | N: ms | intercept ms | ms / 1k tokens | scale | at N=4096 | at N=16384 | errors |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---|")
+    print("| gen | objective | head | V small | N: ms | intercept ms | ms / 1k tokens | scale | at N=4096 | at N=16384 "
+          "| errors |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---|")
     for gen in GENERATIONS:
         entries = data.get("materialised", {}).get(gen, [])
-        for name, v_small in sorted({(e["head"], e["v_small"]) for e in entries}):
-            mine = [e for e in entries if e["head"] == name and e["v_small"] == v_small]
+        for objective, name, v_small in sorted({(objective_of(e), e["head"], e["v_small"]) for e in entries}):
+            mine = [e for e in entries if e["head"] == name and e["v_small"] == v_small
+                    and objective_of(e) == objective]
             fit = materialised_fit(gen, name, mine, v_small)
             errors = "; ".join(f"N={e['n']}: " + (f"error {e['error'][:60]}" if e.get("error") else
                                                   f"abort, {', '.join(e.get('estimated_ops') or [])} estimated")
@@ -526,7 +560,7 @@ def cmd_table(args: argparse.Namespace) -> None:
             pts = ", ".join(f"{n}: {ms:.3f}" for n, ms in sorted(fit["points_ms"].items())) if fit else "-"
             at = ["-", "-"] if fit is None else [
                 f"{(fit['intercept_ms'] + fit['slope_ms_per_token'] * n) * fit['scale']:.2f}" for n in TOKENS]
-            print(f"| {gen} | {name} | {v_small} | {pts} | {_f(fit and fit['intercept_ms'], 3)} "
+            print(f"| {gen} | {objective} | {name} | {v_small} | {pts} | {_f(fit and fit['intercept_ms'], 3)} "
                   f"| {_f(fit and fit['slope_ms_per_token'] * 1e3, 3)} | {_f(fit and fit['scale'], 2)} | {at[0]} "
                   f"| {at[1]} | {errors or '-'} |")
 
@@ -543,12 +577,14 @@ def main(argv: list[str]) -> int:
                          help="measure the kept backwards only, the forwards' records kept as they stand")
     kernels.add_argument("--tokens", help="comma-separated token counts of TOKENS (default all; a subset keeps the "
                          "other counts' records)")
+    kernels.add_argument("--objective", choices=OBJECTIVES, default="loss")
     kernels.set_defaults(fn=cmd_kernels)
     mat = sub.add_parser("materialised")
     mat.add_argument("gen", choices=GENERATIONS)
     mat.add_argument("--heads", required=True)
     mat.add_argument("--v-small", type=int, default=8192)
     mat.add_argument("--tokens", default="2048,4096")
+    mat.add_argument("--objective", choices=OBJECTIVES, default="loss")
     mat.set_defaults(fn=cmd_materialised)
     table = sub.add_parser("table")
     table.add_argument("--save", action="store_true")

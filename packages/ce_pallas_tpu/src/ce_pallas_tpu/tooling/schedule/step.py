@@ -16,6 +16,9 @@ extrapolated (:func:`linear_fit`). The head is ``[H, V]``, or with ``w_layout="v
 - ``materialised``: what a user writes without the library, ``optax.softmax_cross_entropy_with_integer_labels``
   over ``jnp.dot(x, w, preferred_element_type=jnp.float32)`` (the same math in ``jnp`` where optax is
   missing): every op, extrapolated.
+- ``materialised_rl``: the RL objective as a user writes it over the same materialised logits: GRPO's clipped
+  ratio with an entropy bonus (``ce_core.policy.PolicyLoss(entropy_coefficient=0.01)``), the label's
+  log-probability and the entropy from ``jax.nn.log_softmax`` of the logits (:func:`_materialised_rl`).
 - ``keep_logits``: ``linear_cross_entropy(..., keep_logits=True)`` (its kernels run in an XLA loop over
   token chunks): every op of the small-N compile, kernels included, loop bodies times their trip
   count, extrapolated. Skipped where ``ce_core`` has no such option.
@@ -43,7 +46,7 @@ from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
 from ce_pallas_tpu.tooling.schedule.dumps import _OPERANDS_IN_HBM as OPERANDS_IN_HBM
 
 #: Whole-step paths; each builds ``loss(x, labels, w) -> scalar`` (see :func:`step_loss`).
-STEP_PATHS = ("recompute", "materialised", "keep_logits")
+STEP_PATHS = ("recompute", "materialised", "keep_logits", "materialised_rl")
 #: Paths whose pallas kernels are timed by the existing grid fit at full size (their XLA ops come from the step):
 #: the recompute kernels over all N; the kept-logits kernels at one chunk of its plan, times the chunks
 #: (:func:`loop_plan`). The small compiles' own kernels are not counted for them (on v5p the profiler aborts
@@ -53,6 +56,7 @@ KERNELS_FROM_FIT = {"recompute": ("forward", "backward"), "keep_logits": ("forwa
 DEFAULT_STEP_TOKENS: dict[str, tuple[int, ...]] = {
     "recompute": (512, 1024),
     "materialised": (256, 512),
+    "materialised_rl": (256, 512),
     "keep_logits": (1024, 2048),
 }
 
@@ -387,11 +391,36 @@ def _materialised(x: Any, labels: Any, w: Any, w_layout: str = "hv") -> Any:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+#: The entropy bonus's weight in the RL baseline (:func:`_materialised_rl`).
+RL_ENTROPY_COEFFICIENT = 0.01
+
+
+def _materialised_rl(x: Any, labels: Any, w: Any, w_layout: str = "hv") -> Any:
+    """GRPO's token loss with an entropy bonus over materialised float32 logits, the token mean: what a user writes
+    without the library (``log_softmax``, the label's log-probability, ``-sum p log p``), fed to the same token
+    function as the fused objective (``ce_core.policy.PolicyLoss``). On-policy, as a GRPO step's first update: the
+    sampler's log-probabilities are the current ones, detached; advantages +-1 by token (per-token arrays cost the
+    same whatever their values)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ce_core.policy import PolicyInputs, PolicyLoss
+
+    logits = jnp.dot(x, w.T if w_layout == "vh" else w, preferred_element_type=jnp.float32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    logp = jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    inputs = PolicyInputs(old_logp=jax.lax.stop_gradient(logp), advantages=jnp.where(labels % 2 == 0, 1.0, -1.0),
+                          weights=jnp.full(labels.shape, 1.0 / labels.size, jnp.float32))
+    return jnp.sum(PolicyLoss(entropy_coefficient=RL_ENTROPY_COEFFICIENT)(logp, entropy, inputs))
+
+
 #: path -> ``loss(x, labels, w, w_layout)``: adding a path is one entry here (and in :data:`STEP_PATHS`).
 LOSSES: dict[str, Callable[[Any, Any, Any, str], Any]] = {
     "recompute": _recompute,
     "materialised": _materialised,
     "keep_logits": _keep_logits,
+    "materialised_rl": _materialised_rl,
 }
 
 
