@@ -181,9 +181,6 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 def cmd_materialised(args: argparse.Namespace) -> None:
     from ce_pallas_tpu.tooling.schedule import step
 
-    data = load()
-    data.setdefault("environment", environment())
-    out = data.setdefault("materialised", {}).setdefault(args.gen, [])
     path, objective = BASELINE_PATHS[args.objective], args.objective
     for name, h, v in heads(args.heads):
         for n in (int(t) for t in args.tokens.split(",")):
@@ -198,6 +195,9 @@ def cmd_materialised(args: argparse.Namespace) -> None:
                 entry = {**point, "error": f"{type(error).__name__}: {str(error)[:300]}",
                          "wall_s": round(time.time() - start, 1)}
             same = (name, n, args.v_small, objective)
+            data = load()  # afresh for each point: a kernels run may have saved its records meanwhile
+            data.setdefault("environment", environment())
+            out = data.setdefault("materialised", {}).setdefault(args.gen, [])
             out[:] = [o for o in out if (o["head"], o["n"], o["v_small"], objective_of(o)) != same] + [entry]
             save(data)
             print(f"{args.gen} {path} {name} N={n} V={args.v_small}: "
