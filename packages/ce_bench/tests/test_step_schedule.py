@@ -266,6 +266,43 @@ def test_a_tied_heads_step_is_built_and_scheduled_in_its_layout(monkeypatch: pyt
     assert all("[V, H]" in row for row in step_schedule.step_table(records, "markdown").splitlines()[2:4])
 
 
+def test_the_materialised_rl_step_is_the_fused_objectives_step() -> None:
+    """The RL baseline (``materialised_rl``) computes what ``linear_token_objective`` with
+    ``PolicyLoss(entropy_coefficient=0.01)`` computes on the same on-policy inputs (old log-probs the current ones,
+    advantages +-1 by label parity, the token mean): its value and both gradients, in both layouts, against the
+    fused objective on the xla backend, and its entropy bonus moves them (the baseline is not the plain loss)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import ce_core
+    from ce_core.policy import PolicyInputs, PolicyLoss
+
+    rng = np.random.default_rng(11)
+    n, h, v = 24, 32, 50
+    x = jnp.asarray(rng.standard_normal((n, h)) / np.sqrt(h), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((h, v)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+
+    def fused(x, w, coefficient=step.RL_ENTROPY_COEFFICIENT):
+        logp = jax.lax.stop_gradient(ce_core.linear_log_probs(x, labels, w, implementation="reference"))
+        inputs = PolicyInputs(old_logp=logp, advantages=jnp.where(labels % 2 == 0, 1.0, -1.0),
+                              weights=jnp.full((n,), 1.0 / n))
+        return ce_core.linear_token_objective(x, labels, w, PolicyLoss(entropy_coefficient=coefficient), inputs,
+                                              implementation="xla")
+
+    want_loss, (want_dx, want_dw) = jax.value_and_grad(fused, argnums=(0, 1))(x, w)
+    for layout, head in (("hv", w), ("vh", w.T)):
+        fn, _ = step.step_program("materialised_rl", n, h, v, cpu, "float32", w_layout=layout)
+        loss, (dx, dw) = fn(x, head, labels)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(dw if layout == "hv" else dw.T, want_dw, rtol=1e-4, atol=1e-7)
+    plain_dw = jax.grad(lambda w: fused(x, w, 0.0))(w)
+    assert float(jnp.max(jnp.abs(plain_dw - want_dw))) > 1e-3 * float(jnp.max(jnp.abs(want_dw)))
+
+
 def test_a_path_that_does_not_exist_yet_is_skipped_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step, "path_unavailable",
                         lambda path: "ce_core.linear_cross_entropy has no keep_logits option yet"

@@ -132,6 +132,40 @@ def test_the_schedule_jobs_of_a_kept_call_are_its_kernel_calls_at_the_plans_tile
         (1536, "first", 1), (1536, "middle", 9), (1536, "last", 1)]
 
 
+def test_the_schedule_jobs_of_a_kept_rl_call_ask_for_the_entropy_statistic(monkeypatch):
+    """The RL objective with an entropy bonus (``with_expected``): v6e, Qwen2.5-0.5B's tied head, 16384 tokens. Its
+    plan's forward takes 1024-column blocks (the expected logit's state beside the kept block; the plain loss's
+    2048), every job asks for the statistic, and the configs the schedule worker builds from them are the plan's
+    kernels with it (the backward without the cotangent in the exponent or the label rows, which it needs the
+    plain loss for)."""
+    from ce_core import StatsSpec
+    from ce_pallas_tpu import kept_logits
+    from ce_pallas_tpu.target import CHIP_FACTS, Target
+    from ce_pallas_tpu.tooling.schedule import kept_jobs
+    from ce_pallas_tpu.tooling.schedule.programs import kernel_config
+
+    v6e = Target("v6e", CHIP_FACTS["v6e"].num_cores, None)
+    bf16 = jnp.bfloat16
+    spec = StatsSpec(keep_logits=True, w_layout="vh", with_expected=True)
+    plan = kept_logits.plan_chunks(16384, 896, 151936, bf16, bf16, spec, v6e)
+    plain = kept_logits.plan_chunks(16384, 896, 151936, bf16, bf16, StatsSpec(keep_logits=True, w_layout="vh"), v6e)
+    assert (plan.forward.block_v, plain.forward.block_v) == (1024, 2048)
+    jobs = kept_jobs(plan, w_layout="vh")
+    assert [(job.kernel, job.chunk_role, runs) for job, runs in jobs] == [
+        ("forward", "middle", 4), ("backward", "first", 1), ("backward", "middle", 2), ("backward", "last", 1)]
+    assert all(job.with_expected for job, _ in jobs)
+    assert not any(job.with_expected for job, _ in kept_jobs(plain, w_layout="vh"))
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v6e")
+    for job, _ in jobs:
+        job_spec = StatsSpec(keep_logits=True, w_layout="vh", with_expected=job.with_expected)
+        cfg = kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, job_spec, tiles=job.tiles,
+                            hidden_split=job.hidden_split, chunk_role=job.chunk_role)
+        expected = plan.forward if job.kernel == "forward" else plan.backward
+        assert cfg.with_expected and (cfg.block_b, cfg.block_v) == (expected.block_b, expected.block_v)
+        if job.kernel == "backward":
+            assert not cfg.cotangent_in_exponent and not cfg.label_rows
+
+
 def test_a_job_the_profiler_aborted_on_keeps_its_variant(monkeypatch):
     """libtpu's profiler kills the worker on some kernels: that job's row says so, still naming what was
     asked (the RL objective's rows once read "plain"), and the jobs after it run in a fresh worker."""
