@@ -458,6 +458,82 @@ def test_the_label_term_by_rows_gives_the_per_logit_terms_gradients(interpret, m
     assert max_rel_error(dw, expected["dw"]) <= grad_tol
 
 
+def _rl_oracle(x, labels, w, token_fn, inputs, temperature: float) -> tuple[float, np.ndarray, np.ndarray]:
+    """The RL objective over ``[V, H]`` ``w`` in float64 from the full logits: ``(loss, dx, dw)``."""
+    with jax.enable_x64(True):
+        counted = jnp.asarray(labels) >= 0
+        safe = jnp.where(counted, jnp.asarray(labels), 0)
+        inputs64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), inputs)
+
+        def loss(x_, w_):
+            log_p = jax.nn.log_softmax(x_ @ w_.T / temperature, axis=-1)
+            logp = jnp.take_along_axis(log_p, safe[:, None], axis=-1)[:, 0]
+            entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+            return jnp.sum(jnp.where(counted, token_fn(logp, entropy, inputs64), 0.0))
+
+        x64, w64 = (jnp.asarray(np.asarray(jnp.asarray(a, jnp.float32)), jnp.float64) for a in (x, w))
+        value, (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1))(x64, w64)
+        return float(value), np.asarray(dx), np.asarray(dw)
+
+
+@pytest.mark.covering(dtype=("bfloat16", "float32"), chunk=(24, 4096), fast=1)
+def test_the_label_term_by_rows_with_the_entropys_terms_gives_the_per_logit_terms_gradients(interpret, monkeypatch,
+                                                                                           dtype, chunk):
+    """The RL objective with an entropy bonus (``with_expected``: ``delta`` with the entropy's terms, no cotangent in
+    the exponent) on v6e's kept path adds a ``[V, H]`` head's label term by rows as the plain loss does: the same
+    value and gradients as the term per logit (bf16 bit for bit bar a few roundings that flip) and the float64
+    oracle's; clipped ratios, a KL term, ignored labels, a label a third of the rows share, zero weights, V and N
+    ragged, several chunks or one, race-checked."""
+    from ce_core import linear_token_objective
+    from ce_core.policy import PolicyInputs, PolicyLoss
+    from ce_pallas_tpu.target import CHIP_FACTS
+
+    interpret("v6e")
+    monkeypatch.setattr(kept_logits, "CHUNK_TOKENS", chunk)
+    n, h, v = 45, 200, 700
+    x, labels, w = _problem(17, n, h, v, "vh", dtype)
+    labels = np.where(np.arange(n) % 3 == 1, 300, labels)
+    rng = np.random.default_rng(n)
+    current = -np.log(v) + 0.3 * rng.standard_normal(n)
+    weights = np.where(labels >= 0, 1.0 / n, 0.0).astype(np.float32)
+    weights[::7] = 0.0
+    inputs = PolicyInputs(old_logp=(current + 0.3 * rng.standard_normal(n)).astype(np.float32),
+                          advantages=rng.standard_normal(n).astype(np.float32), weights=weights,
+                          ref_logp=(current + 0.1 * rng.standard_normal(n)).astype(np.float32))
+    # bf16 moves logp by ~1e-2: clipping at a kink would then differ from the oracle's, so it is wide there.
+    token_fn = PolicyLoss(kl_coefficient=0.05, entropy_coefficient=0.05,
+                          **(dict(clip_low=10.0) if dtype == "bfloat16" else dict(clip_high=0.28)))
+    sizes = BlockSizes(16, None, 256)
+
+    def objective(x_, w_):
+        return linear_token_objective(x_, labels, w_, token_fn, inputs, implementation="pallas_tpu",
+                                      keep_logits=True, w_layout="vh", block_sizes=sizes, temperature=0.7)
+
+    results = {}
+    for by_rows in (False, True):
+        monkeypatch.setitem(CHIP_FACTS, "v6e", dataclasses.replace(CHIP_FACTS["v6e"], kept_label_rows=by_rows))
+        spec = StatsSpec(w_layout="vh", block_sizes=sizes, with_expected=True)
+        plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, spec)
+        assert plan.backward.label_rows == by_rows and plan.backward.with_expected
+        assert not plan.backward.cotangent_in_exponent and plan.backward.nv == 3
+        jax.clear_caches()
+        value, grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))(x, w)
+        results[by_rows] = [np.asarray(a, np.float32) for a in (value, *grads)]
+        races = interpret_pallas_call.races
+        assert races is not None and not races.races_found
+    for name, rows, per_logit in zip(("loss", "dx", "dw"), results[True], results[False], strict=True):
+        if dtype == "float32":
+            assert max_rel_error(rows, per_logit) <= 1e-5, name
+        else:  # as the plain loss's test: an entry whose rounding to bf16 flips
+            assert np.mean(rows != per_logit) <= 0.02, (name, np.mean(rows != per_logit))
+            assert max_rel_error(rows, per_logit) <= 2.0**-7, name
+    expected = _rl_oracle(x, labels, w, token_fn, inputs, 0.7)
+    for value, want, tol in zip(results[True], expected, (TOLERANCES[dtype][0], *[TOLERANCES[dtype][1]] * 2),
+                                strict=True):
+        assert max_rel_error(value, want) <= tol
+    assert np.abs(expected[2]).max() > 0
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("n,h,split", [(330, 200, 1), (230, 512, 2)])
 def test_the_kept_backward_with_x_transposed_matches_it_untransposed(interpret, monkeypatch, n, h, split):

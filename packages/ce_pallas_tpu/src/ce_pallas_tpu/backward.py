@@ -131,12 +131,13 @@ class BackwardConfig(common.KernelConfig):
     #: fold_cotangent`; v6e, Qwen3-0.6B's kept backward: 1.285 -> 1.248 of its MXU minimum). Kept mode only: the
     #: signed ``x`` feeds only the ``dw`` product there, where a recompute would take it into the logits.
     cotangent_in_exponent: bool = False
-    #: Kept-logits mode with :attr:`cotangent_in_exponent`, ``[V, H]`` head: ``delta`` takes no label term (no compare
+    #: Kept-logits mode, ``[V, H]`` head (the entropy's terms too): ``delta`` takes no label term (no compare
     #: and select per logit); the caller hands each vocab block's labelled rows instead (sorted by label, in SMEM:
     #: :class:`LabelRows`), and the kernel adds ``c x`` onto the row of the ``dw`` slot each label falls on, ``c`` the
     #: term's share of that entry of ``delta`` as the kernel would have rounded it (``dx``'s share, ``c w[y]``, the
     #: caller adds: :func:`ce_pallas_tpu.label_rows.label_rows`). v6e, Qwen3-0.6B's kept backward (a call of one
-    #: 4096-token chunk): 1.242 -> 1.171 of its MXU minimum.
+    #: 4096-token chunk): 1.242 -> 1.171 of its MXU minimum; with the entropy's terms, the RL objective's backward
+    #: at Qwen3-0.6B's head: 1.409 -> see docs/notes/2026-12-04-rl-objective-matrix.md.
     label_rows: bool = False
     #: Kept-logits mode, the hidden size whole: the kept logits are bf16 below their lanes' maxima
     #: (:attr:`ce_pallas_tpu.forward.ForwardConfig.kept_bf16`), which the call reads beside them; ``kept_block_v``
@@ -703,24 +704,18 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
     # per-logit work goes into global column numbers.
     first = block * cfg.block_v
     col = jax.lax.broadcasted_iota(jnp.int32, (cfg.block_b, cfg.block_v), 1)
-    # A kept block: float32, or bf16 below its lanes' maxima (logit_probability folds them back in).
+    # A kept block: float32, or bf16 below its lanes' maxima (softmax_cotangent folds them back in).
     if z_ref is not None:
         raw = z_ref[...] if m_ref is None else z_ref[...].astype(jnp.float32)
     else:
         product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
         raw = product(x_ref[...], w_ref[...], cfg.precision)
-    p, z, t = common.logit_probability(raw, row.lse, row.scale, cfg.logit_soft_cap,
-                                       None if m_ref is None else m_ref[...],
-                                       functools.partial(_across_block, cfg=cfg), keep_z=row.expected is not None)
-    if cfg.cotangent_in_exponent:  # g_lse is in the lse already (its sign in x and dx)
-        delta = p
-    elif row.expected is None or row.g_expected is None:
-        delta = row.g_lse * p
-    else:
-        # p * (g_lse + g_expected * (1 + z - expected)), its row terms gathered: two vector ops per
-        # logit fewer.
-        assert z is not None  # formed above: the entropy's terms take the general form
-        delta = p * ((row.g_lse + row.g_expected * (1.0 - row.expected)) + row.g_expected * z)
+    # With cotangent_in_exponent g_lse is in the lse already (its sign in x and dx).
+    maximum = None if m_ref is None else m_ref[...]
+    delta, t = common.softmax_cotangent(raw, row.lse, row.scale, cfg.logit_soft_cap, maximum,
+                                        functools.partial(_across_block, cfg=cfg),
+                                        g_lse=None if cfg.cotangent_in_exponent else row.g_lse,
+                                        expected=row.expected, g_expected=row.g_expected)
     if not cfg.label_rows:  # else added by rows (:func:`_add_label_rows`)
         delta = delta + jnp.where(col == row.y - first, row.g_label, 0.0)
     return common.delta_row_terms(delta, row.g_sum, t, row.scale).astype(common.mxu_dtype(cfg.precision))
@@ -930,8 +925,8 @@ def backward_call(
                          f"blocks of whole lanes ({LANES}) where there are several")
     if cfg.cotangent_in_exponent and not (cfg.kept_logits and not cfg.with_expected):
         raise ValueError("backward_call: cotangent_in_exponent needs the kept-logits mode without the entropy's terms")
-    if cfg.label_rows and not (cfg.cotangent_in_exponent and cfg.w_layout == "vh"):
-        raise ValueError("backward_call: label_rows needs cotangent_in_exponent and a [V, H] head")
+    if cfg.label_rows and not (cfg.kept_logits and cfg.w_layout == "vh"):
+        raise ValueError("backward_call: label_rows needs the kept-logits mode and a [V, H] head")
     if cfg.label_rows != (label_rows is not None):
         raise ValueError("backward_call: label_rows must be given exactly when cfg.label_rows")
     if cfg.kept_bf16 and not (cfg.kept_logits and cfg.hidden_split == 1 and cfg.kept_block_v % LANES == 0

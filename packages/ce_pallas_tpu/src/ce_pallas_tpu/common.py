@@ -104,6 +104,34 @@ def logit_probability(raw: jax.Array, lse: jax.Array, scale: jax.Array | None, c
     return jnp.exp(z - lse), z, t
 
 
+def softmax_cotangent(raw: jax.Array, lse: jax.Array, scale: jax.Array | None, cap: float | None,
+                      maximum: jax.Array | None = None, spread: Callable[[jax.Array], jax.Array] = lambda a: a, *,
+                      g_lse: jax.Array | None = None, expected: jax.Array | None = None,
+                      g_expected: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """``(delta's softmax term, the cap's t or None)`` of the backward's logits (:func:`logit_probability`'s
+    arguments): ``p`` itself where ``g_lse`` was folded into the lse (``g_lse`` None), ``g_lse p``, or with the
+    entropy's terms (``expected`` and ``g_expected``) ``p (g_lse + g_expected (1 + z - expected))``, its row terms
+    gathered (two vector ops per logit fewer). With bf16 logits below lane maxima, uncapped, the entropy's form
+    takes ``z``'s maximum into its per-lane terms, ``p (spread(g_lse + g_expected (1 - expected + s m))
+    + g_expected s raw)``, ``p`` as the plain loss's (one vector op a logit fewer than forming ``z``). The kernel
+    and the label's term by rows both form it here, so that their roundings agree."""
+    entropy = expected is not None and g_expected is not None
+    if entropy and maximum is not None and cap is None:
+        assert g_lse is not None and expected is not None and g_expected is not None
+        if scale is not None:
+            raw, maximum = scale * raw, scale * maximum
+        p = jnp.exp(raw + spread(maximum - lse))
+        lane = spread((g_lse + g_expected * (1.0 - expected)) + g_expected * maximum)
+        return p * (lane + g_expected * raw), None
+    p, z, t = logit_probability(raw, lse, scale, cap, maximum, spread, keep_z=entropy)
+    if g_lse is None:
+        return p, t
+    if not entropy:
+        return g_lse * p, t
+    assert z is not None and expected is not None and g_expected is not None  # formed above with keep_z
+    return p * ((g_lse + g_expected * (1.0 - expected)) + g_expected * z), t
+
+
 def delta_row_terms(delta: jax.Array, g_sum: jax.Array | None, t: jax.Array | None,
                     scale: jax.Array | None) -> jax.Array:
     """``delta`` past its probability and label terms: plus the smoothing's ``g_sum``, times the cap's slope

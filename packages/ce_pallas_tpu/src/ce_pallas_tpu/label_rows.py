@@ -24,14 +24,16 @@ from ce_pallas_tpu.layout import LANES
 
 def label_rows(logits: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array, g_label: jax.Array,
                g_sum: jax.Array | None, row_scale: jax.Array | None, cfg: BackwardConfig,
-               maxima: jax.Array | None = None) -> tuple[LabelRows, jax.Array]:
+               maxima: jax.Array | None = None, g_lse: jax.Array | None = None, expected: jax.Array | None = None,
+               g_expected: jax.Array | None = None) -> tuple[LabelRows, jax.Array]:
     """``(the kernel's LabelRows, dx's share float32 [n, H])`` of one backward call's rows.
 
     ``logits`` is the kept buffer (the call's rows from block ``cfg.logits_row_block``), ``w`` the ``[V, H]`` head;
-    ``labels`` (int32), ``lse`` (with ``|g_lse|`` folded in), the signed ``g_label`` and ``g_sum`` and ``row_scale``
-    are ``[n, 1]`` columns as the kernel takes them; ``maxima`` the lane maxima of bf16 kept logits
-    (:attr:`BackwardConfig.kept_bf16`). Rows whose term is 0 (ignored, dead, zero-weighted) are left
-    out."""
+    ``labels`` (int32), ``lse``, ``g_label``, ``g_sum`` and ``row_scale`` are ``[n, 1]`` columns as the kernel
+    takes them (with :attr:`BackwardConfig.cotangent_in_exponent`, ``|g_lse|`` folded into ``lse`` and the
+    cotangents signed; without it ``g_lse`` too, and with the entropy's terms ``expected`` and ``g_expected``);
+    ``maxima`` the lane maxima of bf16 kept logits (:attr:`BackwardConfig.kept_bf16`). Rows whose term is 0
+    (ignored, dead, zero-weighted) are left out."""
     n, dtype = cfg.n, common.mxu_dtype(cfg.precision)
     label = labels[:, 0]
     counted = (label >= 0) & (label < cfg.v) & (g_label[:, 0] != 0)
@@ -43,7 +45,12 @@ def label_rows(logits: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Arra
     g_sum_row = None if g_sum is None else g_sum[:, 0]
     # The kernel's delta at the entry, formed by the kernel's own steps (:func:`ce_pallas_tpu.backward.
     # _logit_cotangent`): the probability, then with the label's term or without it the row terms.
-    without, _, t = common.logit_probability(raw, lse[:, 0], scale, cfg.logit_soft_cap, maximum)
+    def entry(column_values: jax.Array | None) -> jax.Array | None:
+        return None if column_values is None else column_values[:, 0]
+
+    without, t = common.softmax_cotangent(raw, lse[:, 0], scale, cfg.logit_soft_cap, maximum,
+                                          g_lse=None if cfg.cotangent_in_exponent else entry(g_lse),
+                                          expected=entry(expected), g_expected=entry(g_expected))
     with_term = common.delta_row_terms(without + g_label[:, 0], g_sum_row, t, scale)
     without = common.delta_row_terms(without, g_sum_row, t, scale)
     share = with_term.astype(dtype).astype(jnp.float32) - without.astype(dtype).astype(jnp.float32)
