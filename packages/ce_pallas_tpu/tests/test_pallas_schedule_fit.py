@@ -134,8 +134,8 @@ def test_the_schedule_jobs_of_a_kept_call_are_its_kernel_calls_at_the_plans_tile
 
 def test_the_schedule_jobs_of_a_kept_rl_call_ask_for_the_entropy_statistic(monkeypatch):
     """The RL objective with an entropy bonus (``with_expected``): v6e, Qwen2.5-0.5B's tied head, 16384 tokens. Its
-    plan's forward takes 1024-column blocks (the expected logit's state beside the kept block; the plain loss's
-    2048), every job asks for the statistic, and the configs the schedule worker builds from them are the plan's
+    plan's forward takes 2048 x 2048 tiles (the plain loss's 4096 x 2048 do not fit with the expected logit's
+    state; 2048 x 2048 beats 4096 x 1024 with it), every job asks for the statistic, and the configs the schedule worker builds from them are the plan's
     kernels with it (the backward without the cotangent in the exponent or the label rows, which it needs the
     plain loss for)."""
     from ce_core import StatsSpec
@@ -149,7 +149,8 @@ def test_the_schedule_jobs_of_a_kept_rl_call_ask_for_the_entropy_statistic(monke
     spec = StatsSpec(keep_logits=True, w_layout="vh", with_expected=True)
     plan = kept_logits.plan_chunks(16384, 896, 151936, bf16, bf16, spec, v6e)
     plain = kept_logits.plan_chunks(16384, 896, 151936, bf16, bf16, StatsSpec(keep_logits=True, w_layout="vh"), v6e)
-    assert (plan.forward.block_v, plain.forward.block_v) == (1024, 2048)
+    assert ((plan.forward.block_b, plan.forward.block_v), (plain.forward.block_b, plain.forward.block_v)) == (
+        (2048, 2048), (4096, 2048))
     jobs = kept_jobs(plan, w_layout="vh")
     assert [(job.kernel, job.chunk_role, runs) for job, runs in jobs] == [
         ("forward", "middle", 4), ("backward", "first", 1), ("backward", "middle", 2), ("backward", "last", 1)]
