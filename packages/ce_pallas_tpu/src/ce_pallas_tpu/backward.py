@@ -137,7 +137,7 @@ class BackwardConfig(common.KernelConfig):
     #: term's share of that entry of ``delta`` as the kernel would have rounded it (``dx``'s share, ``c w[y]``, the
     #: caller adds: :func:`ce_pallas_tpu.label_rows.label_rows`). v6e, Qwen3-0.6B's kept backward (a call of one
     #: 4096-token chunk): 1.242 -> 1.171 of its MXU minimum; with the entropy's terms, the RL objective's backward
-    #: at Qwen3-0.6B's head: 1.409 -> see docs/notes/2026-12-04-rl-objective-matrix.md.
+    #: at Qwen3-0.6B's head: 1.414 -> 1.329 (docs/notes/2026-12-04-rl-objective-matrix.md).
     label_rows: bool = False
     #: Kept-logits mode, the hidden size whole: the kept logits are bf16 below their lanes' maxima
     #: (:attr:`ce_pallas_tpu.forward.ForwardConfig.kept_bf16`), which the call reads beside them; ``kept_block_v``
