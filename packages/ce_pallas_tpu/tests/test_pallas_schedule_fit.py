@@ -135,9 +135,9 @@ def test_the_schedule_jobs_of_a_kept_call_are_its_kernel_calls_at_the_plans_tile
 def test_the_schedule_jobs_of_a_kept_rl_call_ask_for_the_entropy_statistic(monkeypatch):
     """The RL objective with an entropy bonus (``with_expected``): v6e, Qwen2.5-0.5B's tied head, 16384 tokens. Its
     plan's forward takes 2048 x 2048 tiles (the plain loss's 4096 x 2048 do not fit with the expected logit's
-    state; 2048 x 2048 beats 4096 x 1024 with it), every job asks for the statistic, and the configs the schedule worker builds from them are the plan's
-    kernels with it (the backward without the cotangent in the exponent or the label rows, which it needs the
-    plain loss for)."""
+    state; 2048 x 2048 beats 4096 x 1024 with it), every job asks for the statistic, and the configs the schedule
+    worker builds from them are the plan's kernels with it (the backward with the entropy's cotangent in the
+    exponent; the label's term in ``delta``, as the plain loss's at this width, where ``dw`` is held transposed)."""
     from ce_core import StatsSpec
     from ce_pallas_tpu import kept_logits
     from ce_pallas_tpu.target import CHIP_FACTS, Target
@@ -164,7 +164,7 @@ def test_the_schedule_jobs_of_a_kept_rl_call_ask_for_the_entropy_statistic(monke
         expected = plan.forward if job.kernel == "forward" else plan.backward
         assert cfg.with_expected and (cfg.block_b, cfg.block_v) == (expected.block_b, expected.block_v)
         if job.kernel == "backward":
-            assert not cfg.cotangent_in_exponent and not cfg.label_rows
+            assert cfg.cotangent_in_exponent and cfg.kept_dw_transposed and not cfg.label_rows
 
 
 def test_a_job_the_profiler_aborted_on_keeps_its_variant(monkeypatch):

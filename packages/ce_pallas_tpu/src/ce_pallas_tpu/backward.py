@@ -125,11 +125,13 @@ class BackwardConfig(common.KernelConfig):
     #: Kept-logits mode: the token block of the kept logits' buffer this call's first row is (a piece of a
     #: longer chunk, :attr:`ce_pallas_tpu.kept_logits.KeptPlan.pieces`); the call reads its rows from there.
     logits_row_block: int = 0
-    #: Kept-logits mode without the entropy's terms: the caller folded each row's ``|g_lse|`` into its ``lse``
-    #: (``lse - log|g_lse|``) and its sign into ``x`` and ``dx`` (``g_label`` and ``g_sum`` signed alike), so
-    #: ``delta``'s softmax term is one ``exp`` with no product per logit (:func:`ce_pallas_tpu.kept_logits.
-    #: fold_cotangent`; v6e, Qwen3-0.6B's kept backward: 1.285 -> 1.248 of its MXU minimum). Kept mode only: the
-    #: signed ``x`` feeds only the ``dw`` product there, where a recompute would take it into the logits.
+    #: Kept-logits mode: the caller folded each row's ``|g_lse|`` into its ``lse`` (``lse - log|g_lse|``) and its
+    #: sign into ``x`` and ``dx`` (``g_label`` and ``g_sum`` signed alike), so ``delta``'s softmax term is one ``exp``
+    #: with no product per logit (:func:`ce_pallas_tpu.kept_logits.fold_cotangent`; v6e, Qwen3-0.6B's kept backward:
+    #: 1.285 -> 1.248 of its MXU minimum). With the entropy's terms the entropy's cotangent ``b`` is folded so, and
+    #: the ``g_lse`` column holds the row's ``a / b``: ``exp(z - lse') (a / b + z)``
+    #: (:func:`ce_pallas_tpu.kept_logits.fold_entropy_cotangent`). Kept mode only: the signed ``x`` feeds only the
+    #: ``dw`` product there, where a recompute would take it into the logits.
     cotangent_in_exponent: bool = False
     #: Kept-logits mode, ``[V, H]`` head (the entropy's terms too): ``delta`` takes no label term (no compare
     #: and select per logit); the caller hands each vocab block's labelled rows instead (sorted by label, in SMEM:
@@ -710,12 +712,12 @@ def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows, i, block, cfg: BackwardCo
     else:
         product = common.matmul_nt if cfg.w_layout == "vh" else common.matmul
         raw = product(x_ref[...], w_ref[...], cfg.precision)
-    # With cotangent_in_exponent g_lse is in the lse already (its sign in x and dx).
+    # With cotangent_in_exponent g_lse (the entropy's b) is in the lse already, its sign in x and dx.
     maximum = None if m_ref is None else m_ref[...]
     delta, t = common.softmax_cotangent(raw, row.lse, row.scale, cfg.logit_soft_cap, maximum,
                                         functools.partial(_across_block, cfg=cfg),
-                                        g_lse=None if cfg.cotangent_in_exponent else row.g_lse,
-                                        expected=row.expected, g_expected=row.g_expected)
+                                        **common.softmax_cotangent_rows(cfg.cotangent_in_exponent, row.g_lse,
+                                                                        row.expected, row.g_expected))
     if not cfg.label_rows:  # else added by rows (:func:`_add_label_rows`)
         delta = delta + jnp.where(col == row.y - first, row.g_label, 0.0)
     return common.delta_row_terms(delta, row.g_sum, t, row.scale).astype(common.mxu_dtype(cfg.precision))
@@ -923,8 +925,8 @@ def backward_call(
                                   and (cfg.nb == 1 or cfg.block_b % LANES == 0)):
         raise ValueError("backward_call: dx_transposed needs the kept-logits mode, the hidden size whole and token "
                          f"blocks of whole lanes ({LANES}) where there are several")
-    if cfg.cotangent_in_exponent and not (cfg.kept_logits and not cfg.with_expected):
-        raise ValueError("backward_call: cotangent_in_exponent needs the kept-logits mode without the entropy's terms")
+    if cfg.cotangent_in_exponent and not cfg.kept_logits:
+        raise ValueError("backward_call: cotangent_in_exponent needs the kept-logits mode")
     if cfg.label_rows and not (cfg.kept_logits and cfg.w_layout == "vh"):
         raise ValueError("backward_call: label_rows needs the kept-logits mode and a [V, H] head")
     if cfg.label_rows != (label_rows is not None):

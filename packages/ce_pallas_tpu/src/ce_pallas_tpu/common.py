@@ -107,14 +107,25 @@ def logit_probability(raw: jax.Array, lse: jax.Array, scale: jax.Array | None, c
 def softmax_cotangent(raw: jax.Array, lse: jax.Array, scale: jax.Array | None, cap: float | None,
                       maximum: jax.Array | None = None, spread: Callable[[jax.Array], jax.Array] = lambda a: a, *,
                       g_lse: jax.Array | None = None, expected: jax.Array | None = None,
-                      g_expected: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                      g_expected: jax.Array | None = None,
+                      ratio: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """``(delta's softmax term, the cap's t or None)`` of the backward's logits (:func:`logit_probability`'s
     arguments): ``p`` itself where ``g_lse`` was folded into the lse (``g_lse`` None), ``g_lse p``, or with the
     entropy's terms (``expected`` and ``g_expected``) ``p (g_lse + g_expected (1 + z - expected))``, its row terms
     gathered (two vector ops per logit fewer). With bf16 logits below lane maxima, uncapped, the entropy's form
     takes ``z``'s maximum into its per-lane terms, ``p (spread(g_lse + g_expected (1 - expected + s m))
-    + g_expected s raw)``, ``p`` as the plain loss's (one vector op a logit fewer than forming ``z``). The kernel
-    and the label's term by rows both form it here, so that their roundings agree."""
+    + g_expected s raw)``, ``p`` as the plain loss's (one vector op a logit fewer than forming ``z``). With the
+    entropy's cotangent folded into the lse (``ratio``, the row's ``a / b``: ``ce_pallas_tpu.kept_logits.
+    fold_entropy_cotangent``) it is ``p' (ratio + z)``, below lane maxima ``p' (spread(ratio + s m) + s raw)``. The
+    kernel and the label's term by rows both form it here, so that their roundings agree."""
+    if ratio is not None:
+        if maximum is not None and cap is None:
+            if scale is not None:
+                raw, maximum = scale * raw, scale * maximum
+            return jnp.exp(raw + spread(maximum - lse)) * (spread(ratio + maximum) + raw), None
+        p, z, t = logit_probability(raw, lse, scale, cap, maximum, spread, keep_z=True)
+        assert z is not None  # formed with keep_z
+        return p * (ratio + z), t
     entropy = expected is not None and g_expected is not None
     if entropy and maximum is not None and cap is None:
         assert g_lse is not None and expected is not None and g_expected is not None
@@ -130,6 +141,16 @@ def softmax_cotangent(raw: jax.Array, lse: jax.Array, scale: jax.Array | None, c
         return g_lse * p, t
     assert z is not None and expected is not None and g_expected is not None  # formed above with keep_z
     return p * ((g_lse + g_expected * (1.0 - expected)) + g_expected * z), t
+
+
+def softmax_cotangent_rows(in_exponent: bool, g_lse: jax.Array | None, expected: jax.Array | None,
+                           g_expected: jax.Array | None) -> dict[str, jax.Array | None]:
+    """:func:`softmax_cotangent`'s row arguments from a backward's columns: with the row's cotangent in the exponent
+    (``BackwardConfig.cotangent_in_exponent``) none, or with the entropy's terms the ``ratio`` the ``g_lse`` column
+    then holds; otherwise ``g_lse``, ``expected`` and ``g_expected`` as they are."""
+    if not in_exponent:
+        return {"g_lse": g_lse, "expected": expected, "g_expected": g_expected}
+    return {"ratio": g_lse if expected is not None else None}
 
 
 def delta_row_terms(delta: jax.Array, g_sum: jax.Array | None, t: jax.Array | None,

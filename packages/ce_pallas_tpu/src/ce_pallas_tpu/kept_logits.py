@@ -547,6 +547,11 @@ def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: in
     return dataclasses.replace(cfg, kept_maxima_columns=lane_maxima_columns(cfg))
 
 
+#: Whether the RL objective's entropy terms take the row's cotangent into the exponent as the plain loss does
+#: (:func:`fold_entropy_cotangent`); off, ``delta`` forms ``p (a + b z)`` (tests compare the two).
+ENTROPY_IN_EXPONENT = True
+
+
 #: The vocab block of a kept forward with bf16 logits (:func:`_widened_for_bf16_groups`).
 KEPT_BF16_BLOCK_V = 2048
 
@@ -705,7 +710,7 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
                               x_transposed=facts is not None and facts.kept_x_transposed
                               and base.backward.w_layout == "hv",
                               dw_zeros_by_dma=facts is not None and facts.kept_dw_zeros_by_dma,
-                              cotangent_in_exponent=not base.backward.with_expected,
+                              cotangent_in_exponent=ENTROPY_IN_EXPONENT or not base.backward.with_expected,
                               label_rows=facts is not None and facts.kept_label_rows
                               and base.backward.w_layout == "vh", kept_bf16=in_bf16)
     if cfg.hidden_tile % cfg.block_h:
@@ -888,7 +893,11 @@ def _backward(x_c, w, y_c, s_c, stats: RowStats, cotangent: RowStats, logits, ru
     assert lse is not None and g_lse is not None and g_label is not None
     sign = rows = dx_share = None
     if cfg.cotangent_in_exponent:
-        lse, sign = fold_cotangent(lse, g_lse)
+        if cfg.with_expected:  # the kernel reads the row's ratio a / b where it reads g_lse otherwise
+            assert expected is not None and g_expected is not None
+            lse, sign, g_lse = fold_entropy_cotangent(lse, g_lse, expected, g_expected)
+        else:
+            lse, sign = fold_cotangent(lse, g_lse)
         g_label, g_sum = sign * g_label, None if g_sum is None else sign * g_sum
         x_c = sign.astype(x_c.dtype) * x_c
     if cfg.label_rows:
@@ -906,6 +915,29 @@ def fold_cotangent(lse: jax.Array, g_lse: jax.Array) -> tuple[jax.Array, jax.Arr
     ``dx``'s after it; both are exact. A row with ``g_lse`` 0 gets ``lse' = +inf``: ``p`` is 0, as a dead row's."""
     sign = jnp.where(g_lse < 0, -1.0, 1.0).astype(jnp.float32)
     return lse - jnp.log(jnp.abs(g_lse)), sign
+
+
+#: The smallest ``|b| / |a|`` :func:`fold_entropy_cotangent` folds as it is; a smaller ``b`` is taken as that share of
+#: ``|a|`` (a change to ``delta`` of at most ``2^-24 |z|`` of its ``a`` term: below float32's rounding of a logit's
+#: ``a + b z`` where ``|z| < 2``, and far below the bf16 rounding of ``delta`` the products take).
+ENTROPY_FOLD_FLOOR = 2.0**-24
+
+
+def fold_entropy_cotangent(lse: jax.Array, g_lse: jax.Array, expected: jax.Array,
+                           g_expected: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(lse', sign, ratio)`` of float32 ``[rows, 1]`` columns for a backward with the entropy's terms and
+    :attr:`BackwardConfig.cotangent_in_exponent`. A row's softmax term is ``p (a + b z)``, ``a = g_lse + g_expected
+    (1 - expected)``, ``b = g_expected``; with ``lse' = lse - log|b|`` it is ``sign exp(z - lse') (ratio + z)``,
+    ``ratio = a / b``: one product a logit fewer. ``sign`` goes onto ``x`` and ``dx`` as :func:`fold_cotangent`'s.
+    Where ``|b|`` is below :data:`ENTROPY_FOLD_FLOOR` ``|a|`` (no entropy bonus on that token, say) ``b`` is taken
+    as that share of ``|a|``, so that ``exp(z - lse')`` cannot underflow where ``p |a|`` would not. A row with
+    ``a = b = 0`` gets ``lse' = +inf`` and ``ratio`` 0: its ``delta`` is 0, as a dead row's."""
+    a = g_lse + g_expected * (1.0 - expected)
+    floor = ENTROPY_FOLD_FLOOR * jnp.abs(a)
+    b = jnp.where(jnp.abs(g_expected) >= floor, g_expected, jnp.where(g_expected < 0, -floor, floor))
+    sign = jnp.where(b < 0, -1.0, 1.0).astype(jnp.float32)
+    ratio = jnp.where(b == 0, 0.0, a / jnp.where(b == 0, 1.0, b))
+    return lse - jnp.log(jnp.abs(b)), sign, ratio
 
 
 def _empty_stats(n: int, spec: StatsSpec) -> RowStats:

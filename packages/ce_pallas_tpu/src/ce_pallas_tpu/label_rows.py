@@ -30,8 +30,9 @@ def label_rows(logits: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Arra
 
     ``logits`` is the kept buffer (the call's rows from block ``cfg.logits_row_block``), ``w`` the ``[V, H]`` head;
     ``labels`` (int32), ``lse``, ``g_label``, ``g_sum`` and ``row_scale`` are ``[n, 1]`` columns as the kernel
-    takes them (with :attr:`BackwardConfig.cotangent_in_exponent`, ``|g_lse|`` folded into ``lse`` and the
-    cotangents signed; without it ``g_lse`` too, and with the entropy's terms ``expected`` and ``g_expected``);
+    takes them (with :attr:`BackwardConfig.cotangent_in_exponent`, ``|g_lse|`` or the entropy's ``|b|`` folded into
+    ``lse``, the cotangents signed and ``g_lse`` the entropy's ``a / b``; without it ``g_lse`` as it is; with the
+    entropy's terms ``expected`` and ``g_expected``);
     ``maxima`` the lane maxima of bf16 kept logits (:attr:`BackwardConfig.kept_bf16`). Rows whose term is 0
     (ignored, dead, zero-weighted) are left out."""
     n, dtype = cfg.n, common.mxu_dtype(cfg.precision)
@@ -49,8 +50,8 @@ def label_rows(logits: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Arra
         return None if column_values is None else column_values[:, 0]
 
     without, t = common.softmax_cotangent(raw, lse[:, 0], scale, cfg.logit_soft_cap, maximum,
-                                          g_lse=None if cfg.cotangent_in_exponent else entry(g_lse),
-                                          expected=entry(expected), g_expected=entry(g_expected))
+                                          **common.softmax_cotangent_rows(cfg.cotangent_in_exponent, entry(g_lse),
+                                                                          entry(expected), entry(g_expected)))
     with_term = common.delta_row_terms(without + g_label[:, 0], g_sum_row, t, scale)
     without = common.delta_row_terms(without, g_sum_row, t, scale)
     share = with_term.astype(dtype).astype(jnp.float32) - without.astype(dtype).astype(jnp.float32)
