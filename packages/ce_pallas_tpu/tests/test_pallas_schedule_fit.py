@@ -140,6 +140,7 @@ def test_the_schedule_jobs_of_a_kept_rl_call_ask_for_the_entropy_statistic(monke
     exponent; the label's term in ``delta``, as the plain loss's at this width, where ``dw`` is held transposed)."""
     from ce_core import StatsSpec
     from ce_pallas_tpu import kept_logits
+    from ce_pallas_tpu.backward import BackwardConfig
     from ce_pallas_tpu.target import CHIP_FACTS, Target
     from ce_pallas_tpu.tooling.schedule import kept_jobs
     from ce_pallas_tpu.tooling.schedule.programs import kernel_config
@@ -164,6 +165,7 @@ def test_the_schedule_jobs_of_a_kept_rl_call_ask_for_the_entropy_statistic(monke
         expected = plan.forward if job.kernel == "forward" else plan.backward
         assert cfg.with_expected and (cfg.block_b, cfg.block_v) == (expected.block_b, expected.block_v)
         if job.kernel == "backward":
+            assert isinstance(cfg, BackwardConfig)
             assert cfg.cotangent_in_exponent and cfg.kept_dw_transposed and not cfg.label_rows
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -143,14 +143,23 @@ def softmax_cotangent(raw: jax.Array, lse: jax.Array, scale: jax.Array | None, c
     return p * ((g_lse + g_expected * (1.0 - expected)) + g_expected * z), t
 
 
+class SoftmaxRows(TypedDict):
+    """:func:`softmax_cotangent`'s row arguments (:func:`softmax_cotangent_rows`)."""
+
+    g_lse: jax.Array | None
+    expected: jax.Array | None
+    g_expected: jax.Array | None
+    ratio: jax.Array | None
+
+
 def softmax_cotangent_rows(in_exponent: bool, g_lse: jax.Array | None, expected: jax.Array | None,
-                           g_expected: jax.Array | None) -> dict[str, jax.Array | None]:
+                           g_expected: jax.Array | None) -> SoftmaxRows:
     """:func:`softmax_cotangent`'s row arguments from a backward's columns: with the row's cotangent in the exponent
     (``BackwardConfig.cotangent_in_exponent``) none, or with the entropy's terms the ``ratio`` the ``g_lse`` column
     then holds; otherwise ``g_lse``, ``expected`` and ``g_expected`` as they are."""
     if not in_exponent:
-        return {"g_lse": g_lse, "expected": expected, "g_expected": g_expected}
-    return {"ratio": g_lse if expected is not None else None}
+        return SoftmaxRows(g_lse=g_lse, expected=expected, g_expected=g_expected, ratio=None)
+    return SoftmaxRows(g_lse=None, expected=None, g_expected=None, ratio=g_lse if expected is not None else None)
 
 
 def delta_row_terms(delta: jax.Array, g_sum: jax.Array | None, t: jax.Array | None,
