@@ -482,7 +482,7 @@ def test_the_label_term_by_rows_with_the_entropys_terms_gives_the_per_logit_term
     """The RL objective with an entropy bonus (``with_expected``: ``delta`` with the entropy's terms) on v6e's kept
     path adds a ``[V, H]`` head's label term by rows as the plain loss does: the same value and gradients as the
     term per logit (bf16 bit for bit bar a few roundings that flip) and the float64 oracle's; and with the entropy's
-    cotangent in the exponent (``fold_entropy_cotangent``, the default) or not, as accurate against the oracle.
+    cotangent in the exponent (``fold_entropy_cotangent``, v6e's default) or not, as accurate against the oracle.
     Clipped ratios, a KL term, ignored labels, a label a third of the rows share, zero weights, V and N ragged,
     several chunks or one, race-checked."""
     from ce_core import linear_token_objective
@@ -512,8 +512,8 @@ def test_the_label_term_by_rows_with_the_entropys_terms_gives_the_per_logit_term
 
     results = {}
     for in_exponent, by_rows in ((False, False), (False, True), (True, False), (True, True)):
-        monkeypatch.setattr(kept_logits, "ENTROPY_IN_EXPONENT", in_exponent)
-        monkeypatch.setitem(CHIP_FACTS, "v6e", dataclasses.replace(CHIP_FACTS["v6e"], kept_label_rows=by_rows))
+        monkeypatch.setitem(CHIP_FACTS, "v6e", dataclasses.replace(CHIP_FACTS["v6e"], kept_label_rows=by_rows,
+                                                                   kept_entropy_in_exponent=in_exponent))
         spec = StatsSpec(w_layout="vh", block_sizes=sizes, with_expected=True)
         plan = kept_logits.plan_chunks(n, h, v, x.dtype, w.dtype, spec)
         assert plan.backward.label_rows == by_rows and plan.backward.with_expected

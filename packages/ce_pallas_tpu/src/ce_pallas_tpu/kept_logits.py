@@ -547,11 +547,6 @@ def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: in
     return dataclasses.replace(cfg, kept_maxima_columns=lane_maxima_columns(cfg))
 
 
-#: Whether the RL objective's entropy terms take the row's cotangent into the exponent as the plain loss does
-#: (:func:`fold_entropy_cotangent`); off, ``delta`` forms ``p (a + b z)`` (tests compare the two).
-ENTROPY_IN_EXPONENT = True
-
-
 #: The vocab block of a kept forward with bf16 logits (:func:`_widened_for_bf16_groups`).
 KEPT_BF16_BLOCK_V = 2048
 
@@ -710,7 +705,8 @@ def _fit_backward(base: Plan, shape: cost_model.Shape, budget: int, floor: int =
                               x_transposed=facts is not None and facts.kept_x_transposed
                               and base.backward.w_layout == "hv",
                               dw_zeros_by_dma=facts is not None and facts.kept_dw_zeros_by_dma,
-                              cotangent_in_exponent=ENTROPY_IN_EXPONENT or not base.backward.with_expected,
+                              cotangent_in_exponent=not base.backward.with_expected
+                              or (facts is not None and facts.kept_entropy_in_exponent),
                               label_rows=facts is not None and facts.kept_label_rows
                               and base.backward.w_layout == "vh", kept_bf16=in_bf16)
     if cfg.hidden_tile % cfg.block_h:
