@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 PACKAGES = Path(__file__).resolve().parents[1] / "packages"
-PUBLIC_CE_CORE = {"ce_core", "ce_core.extend"}
+#: ce_core's declared surface: the API, the backend authors' ``extend``, and ``policy`` (the RL token functions the
+#: README imports from it; the schedule tool's RL baseline feeds its ``PolicyLoss`` too).
+PUBLIC_CE_CORE = {"ce_core", "ce_core.extend", "ce_core.policy"}
 
 
 def modules(package: str) -> dict[str, Path]:
