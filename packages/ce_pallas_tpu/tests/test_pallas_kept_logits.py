@@ -20,7 +20,8 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 from ce_core import BlockSizes, StatsSpec, linear_cross_entropy
 from ce_core.extend import TOLERANCES, max_rel_error, oracle, random_problem
-from ce_pallas_tpu import kept_logits
+from ce_pallas_tpu import kept_logits, ops
+from ce_pallas_tpu.forward import forward_call
 
 
 @pytest.fixture(autouse=True)
@@ -1213,3 +1214,58 @@ def test_bf16_kept_logits_below_their_lane_maxima_are_as_accurate_as_float32_one
         assert races is not None and not races.races_found
     for below_maxima, as_float32 in zip(errors[True], errors[False], strict=True):
         assert below_maxima <= 1.05 * as_float32 + 1e-6, errors
+
+
+@pytest.mark.parametrize("target,maxima_columns,jump", [
+    ("v6e", 256, 10.0), pytest.param("v6e", 256, 100.0, marks=pytest.mark.slow),
+    pytest.param("v5p", 0, 10.0, marks=pytest.mark.interpreter), pytest.param("v5p", 0, 100.0, marks=pytest.mark.slow)])
+def test_the_bf16_kept_forwards_statistics_match_the_float32_kept_ones_streamed_and_redone(
+        interpret, target, maxima_columns, jump):
+    """The kept forward with bf16 logits below their lanes' maxima (:attr:`ce_pallas_tpu.forward.ForwardConfig.
+    kept_bf16`) takes its statistics as the float32-kept one does. One column of a middle block lies ``jump`` nats
+    above every earlier logit of its row (times a row scale of 0.5-2): 10 stays inside the streamed step's margin,
+    100 overflows it and the step is redone exactly (a mutation of the streamed weighted sum by 1e-4 fails the
+    first). Per-row scales, the label in the kernel (an ``[H, V]`` head), the expected logit, the argmax and the
+    logit sum, a ragged last block; v6e two lane-maxima groups a 512-column block, v5p the vocabulary split over
+    two cores. Every statistic against the float32-kept forward's and (one core) the float64 oracle's; the kept
+    values plus their maxima against the float32-kept logits."""
+    interpret(target)
+    n, h, vocab, spike = 53, 128, 1300, 700  # blocks of 512: the spike in the second, a ragged third
+    x, labels, w = random_problem(29, (n,), h, vocab, ignore_fraction=0.0)
+    x, w, labels = x.copy(), w.copy(), labels.copy()
+    x[:, 0] = 1.0  # a constant feature: one weight sets the spike column's logit in every row
+    w[0, :] = 0.0
+    w[0, spike] = jump
+    labels[::3] = spike
+    scale = np.random.default_rng(29).uniform(0.5, 2.0, (n, 1)).astype(np.float32)
+    spec = StatsSpec(with_sum=True, with_expected=True, with_argmax=True, with_row_scale=True,
+                     block_sizes=BlockSizes(32, None, 512))
+    base = dataclasses.replace(ops.make_plan(n, h, vocab, jnp.dtype(jnp.float32), jnp.dtype(jnp.float32), spec).forward,
+                               keep_logits=True)
+    kept_shape = (base.padded_n, base.num_cores * base.nv_per_core * base.block_v)
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels).reshape(-1, 1))
+    in_float32 = forward_call(*args, base, jnp.asarray(scale), kept_shape)
+    below = forward_call(*args, dataclasses.replace(base, kept_bf16=True, kept_maxima_columns=maxima_columns),
+                         jnp.asarray(scale), kept_shape)
+    assert len(below) == len(in_float32) + 1
+    for ours, theirs in zip(below[:base.n_stats], in_float32[:base.n_stats], strict=True):
+        if ours.dtype == jnp.int32:
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+        else:
+            np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=2e-6, atol=2e-5)
+    kept, maxima = np.asarray(below[-2], np.float32), np.asarray(below[-1])
+    group = maxima_columns or base.block_v
+    columns = np.arange(vocab)
+    restored = kept[:n, :vocab] + maxima[:n, (columns // group) * 128 + columns % 128]
+    raw = np.asarray(in_float32[-1])[:n, :vocab]
+    np.testing.assert_allclose(restored, raw, rtol=0, atol=2.0 ** -8 * np.abs(raw).max())
+    if base.num_cores == 1:  # one core's partials are the rows' statistics
+        logits = scale.astype(np.float64) * (x.astype(np.float64) @ w.astype(np.float64))
+        assert np.all(logits[:, spike] - np.delete(logits, spike, axis=1)[:, :512].max(axis=1) > 0.5 * jump - 6)
+        lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+        oracle_rows = [lse, logits[np.arange(n), labels], logits.sum(1),
+                       (np.exp(logits - lse[:, None]) * logits).sum(1), logits.max(1), logits.argmax(1)]
+        for ours, theirs in zip(below[:base.n_stats], oracle_rows, strict=True):
+            np.testing.assert_allclose(np.asarray(ours)[0, :, 0], theirs, rtol=2e-5, atol=2e-5)
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found
