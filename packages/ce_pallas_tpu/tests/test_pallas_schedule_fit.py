@@ -132,30 +132,35 @@ def test_the_schedule_jobs_of_a_kept_call_are_its_kernel_calls_at_the_plans_tile
         (1536, "first", 1), (1536, "middle", 9), (1536, "last", 1)]
 
 
-def test_the_schedule_job_of_a_kept_forward_in_hidden_tiles_pins_its_hidden_tile(monkeypatch):
-    """v5p, Llama-3 70B's head at 4096 tokens: the kept plan's forward takes the hidden size in tiles, and its
-    schedule job pins that tile (a job with the hidden size whole measured another kernel, and the matrix table
-    found no record at the plan's tiles), with the entropy's statistic and without."""
-    from ce_core import StatsSpec
+def test_a_kept_forward_takes_the_hidden_size_whole_where_it_fits_and_its_job_pins_its_hidden_tile(monkeypatch):
+    """Llama-3 70B's head at 4096 tokens (1024-token chunks): the recompute plan for a chunk takes hidden tiles, the
+    kept forward the hidden size whole where that fits VMEM (v5e at the same 512 x 1024 tiles, v5p at half the
+    vocab block); with the tiles set (v5e, 256 x 2048 x 512) it keeps them, and its schedule job pins the hidden tile (a
+    job with the hidden size whole measured another kernel, and the matrix table found no record), with the
+    entropy's statistic and without."""
+    from ce_core import BlockSizes, StatsSpec
     from ce_pallas_tpu import kept_logits
     from ce_pallas_tpu.target import CHIP_FACTS, Target
     from ce_pallas_tpu.tooling.schedule import kept_jobs
     from ce_pallas_tpu.tooling.schedule.programs import kernel_config
 
-    v5p = Target("v5p", CHIP_FACTS["v5p"].num_cores, None)
     bf16 = jnp.bfloat16
-    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5p")
+    for generation, block_v in (("v5e", 1024), ("v5p", 512)):
+        target = Target(generation, CHIP_FACTS[generation].num_cores, None)
+        plan = kept_logits.plan_chunks(4096, 8192, 128256, bf16, bf16, StatsSpec(keep_logits=True), target)
+        assert (plan.chunk, plan.forward.block_b, plan.forward.block_h, plan.forward.block_v) == (
+            1024, 512, 8192, block_v)
+    v5e = Target("v5e", CHIP_FACTS["v5e"].num_cores, None)
+    monkeypatch.setenv("CE_PALLAS_TPU_TARGET", "v5e")
     for with_expected in (False, True):
-        spec = StatsSpec(keep_logits=True, with_expected=with_expected)
-        plan = kept_logits.plan_chunks(4096, 8192, 128256, bf16, bf16, spec, v5p)
-        assert plan.forward.nh > 1, plan.forward
+        spec = StatsSpec(keep_logits=True, with_expected=with_expected, block_sizes=BlockSizes(256, 2048, 512))
+        plan = kept_logits.plan_chunks(4096, 8192, 128256, bf16, bf16, spec, v5e)
+        assert plan.forward.nh == 4, plan.forward
         (job, runs), *_ = kept_jobs(plan)
-        assert job.kernel == "forward" and runs == plan.chunks and job.tiles == (
-            plan.forward.block_b, plan.forward.block_h, plan.forward.block_v)
+        assert job.kernel == "forward" and runs == plan.chunks and job.tiles == (256, 2048, 512)
         cfg = kernel_config(job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype, spec, tiles=job.tiles,
                             hidden_split=job.hidden_split, chunk_role=job.chunk_role)
-        assert (cfg.block_b, cfg.block_h, cfg.block_v, cfg.nh) == (
-            plan.forward.block_b, plan.forward.block_h, plan.forward.block_v, plan.forward.nh)
+        assert (cfg.block_b, cfg.block_h, cfg.block_v, cfg.nh) == (256, 2048, 512, 4)
 
 
 def test_the_schedule_jobs_of_a_kept_rl_call_ask_for_the_entropy_statistic(monkeypatch):

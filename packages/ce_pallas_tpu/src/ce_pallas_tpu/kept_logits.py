@@ -535,16 +535,38 @@ def _kept_in_bf16(base: Plan, shape: cost_model.Shape, target: Target) -> bool:
 
 def _fit_forward(base: Plan, shape: cost_model.Shape, target: Target, budget: int, explicit: bool,
                  in_bf16: bool = False) -> ForwardConfig:
-    """The kept forward's tiles: the recompute forward's where they and the kept logits' blocks fit VMEM,
-    else :func:`_largest_fitting_forward`'s. Unless the caller set the tiles, the token block then grows
+    """The kept forward's tiles: the recompute forward's (the hidden size whole where that fits,
+    :func:`_with_the_hidden_size_whole`) where they and the kept logits' blocks fit VMEM, else
+    :func:`_largest_fitting_forward`'s. Unless the caller set the tiles, the token block then grows
     where the kept logits' writes would not hide (:func:`_grown_for_kept_writes`). ``in_bf16``: the logits
     kept in bf16 (:func:`_kept_in_bf16`)."""
     cfg = dataclasses.replace(base.forward, keep_logits=True, kept_bf16=in_bf16)
+    if not explicit:
+        cfg = _with_the_hidden_size_whole(cfg, shape, target, budget)
     if _forward_need(cfg, shape, target) > budget:
         cfg = _largest_fitting_forward(cfg, shape, target, budget)
     if not explicit:
         cfg = _widened_for_bf16_groups(_grown_for_kept_writes(cfg, shape, target, budget), shape, target, budget)
     return dataclasses.replace(cfg, kept_maxima_columns=lane_maxima_columns(cfg))
+
+
+def _with_the_hidden_size_whole(cfg: ForwardConfig, shape: cost_model.Shape, target: Target,
+                                budget: int) -> ForwardConfig:
+    """The kept forward with the hidden size whole where the recompute forward's tiles split it and the whole
+    fits VMEM: a chunk of a wide head is short, and the recompute plan for so few tokens takes hidden tiles, whose
+    partial logits a step adds up in VMEM before its statistics (v5e and v5p, Llama-3 70B's 1024-token chunks:
+    512 x 2048 x 1024 tiles 1.108 and 1.112 of the MXU minimum, 512 x 8192 x 1024 1.015 on both)."""
+    if cfg.nh == 1:
+        return cfg
+    for block_v in (cfg.block_v, cfg.block_v // 2):  # v5p's VMEM holds the whole at half the vocab block
+        whole = dataclasses.replace(cfg, block_h=cfg.hp, block_v=block_v)
+        if block_v >= KEPT_WHOLE_HIDDEN_BLOCK_V and _forward_need(whole, shape, target) <= budget:
+            return whole
+    return cfg
+
+
+#: The narrowest vocab block :func:`_with_the_hidden_size_whole` takes.
+KEPT_WHOLE_HIDDEN_BLOCK_V = 512
 
 
 #: The vocab block of a kept forward with bf16 logits (:func:`_widened_for_bf16_groups`).
