@@ -554,11 +554,12 @@ def _with_the_hidden_size_whole(cfg: ForwardConfig, shape: cost_model.Shape, tar
                                 budget: int) -> ForwardConfig:
     """The kept forward with the hidden size whole where the recompute forward's tiles split it and the whole
     fits VMEM: a chunk of a wide head is short, and the recompute plan for so few tokens takes hidden tiles, whose
-    partial logits a step adds up in VMEM before its statistics (v5e and v5p, Llama-3 70B's 1024-token chunks:
-    512 x 2048 x 1024 tiles 1.108 and 1.112 of the MXU minimum, 512 x 8192 x 1024 1.015 on both)."""
+    partial logits a step adds up in VMEM before its statistics (Llama-3 70B's 1024-token chunks in 512 x 2048 x
+    1024 tiles: v5e 1.108 and v5p 1.112 of the MXU minimum; the hidden size whole: v5e 1.014 at 512 x 8192 x 1024,
+    v5p 1.024 at 512 x 8192 x 512, the vocab block halved where the whole does not fit at the first)."""
     if cfg.nh == 1:
         return cfg
-    for block_v in (cfg.block_v, cfg.block_v // 2):  # v5p's VMEM holds the whole at half the vocab block
+    for block_v in (cfg.block_v, cfg.block_v // 2):
         whole = dataclasses.replace(cfg, block_h=cfg.hp, block_v=block_v)
         if block_v >= KEPT_WHOLE_HIDDEN_BLOCK_V and _forward_need(whole, shape, target) <= budget:
             return whole

@@ -11,12 +11,12 @@ from ce_pallas_tpu.tooling.schedule.records import Job, chunk_roles, role_of_run
 def kept_jobs(plan: Any, *, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
               w_layout: str = "hv") -> list[tuple[Job, int]]:
     """``(job, runs)`` for each kernel a call of ``plan`` (a :class:`ce_pallas_tpu.kept_logits.KeptPlan`) runs:
-    the forward once per chunk (in the plan's hidden tiles where it takes the hidden size in tiles); the backward
-    once per piece of each chunk (:attr:`KeptPlan.pieces`), each in the
+    the forward once per chunk; the backward once per piece of each chunk (:attr:`KeptPlan.pieces`), each in the
     role its configuration gives it among all of them (:meth:`KeptPlan.piece_configs`: the float32 running ``dw``
     started by the first, added onto by the ones between, ended by the last; one call alone is ``only``). The jobs
-    pin the plan's tiles (a piece's own plan may tile it otherwise) and its hidden tiles, and ask for the entropy's
-    statistic where the plan's kernels take it (the RL objective with an entropy bonus)."""
+    pin the plan's tiles (a piece's own plan may tile it otherwise) and its hidden tiles (the forward's where it
+    takes the hidden size in tiles, the backward's split), and ask for the entropy's statistic where the plan's
+    kernels take it (the RL objective with an entropy bonus)."""
     forward, backward = plan.forward, plan.backward
     forward_job = Job("forward", plan.chunk, plan.h, plan.v, x_dtype=x_dtype, w_dtype=w_dtype, w_layout=w_layout,
                       tiles=(forward.block_b, forward.block_h if forward.nh > 1 else None, forward.block_v),
