@@ -559,15 +559,11 @@ def _with_the_hidden_size_whole(cfg: ForwardConfig, shape: cost_model.Shape, tar
     v5p 1.024 at 512 x 8192 x 512, the vocab block halved where the whole does not fit at the first)."""
     if cfg.nh == 1:
         return cfg
-    for block_v in (cfg.block_v, cfg.block_v // 2):
-        whole = dataclasses.replace(cfg, block_h=cfg.hp, block_v=block_v)
-        if block_v >= KEPT_WHOLE_HIDDEN_BLOCK_V and _forward_need(whole, shape, target) <= budget:
-            return whole
-    return cfg
-
-
-#: The narrowest vocab block :func:`_with_the_hidden_size_whole` takes.
-KEPT_WHOLE_HIDDEN_BLOCK_V = 512
+    whole = dataclasses.replace(cfg, block_h=cfg.hp)
+    trials = [whole]
+    if _halvable_forward_width(cfg.block_v, target):  # v5p's VMEM holds 70B's whole at half the vocab block
+        trials.append(dataclasses.replace(whole, block_v=cfg.block_v // 2))
+    return next((trial for trial in trials if _forward_need(trial, shape, target) <= budget), cfg)
 
 
 #: The vocab block of a kept forward with bf16 logits (:func:`_widened_for_bf16_groups`).
