@@ -267,15 +267,7 @@ def _token_step(prefetch, cfg: BackwardConfig) -> _TokenStep:
 
 def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=None):
     refs = list(rest)
-    if cfg.kept_logits:
-        rows: _Rows | _RowSlab = _RowSlab(y_ref, _row_fields(cfg))
-    else:
-        scale_ref = refs.pop(0) if cfg.with_row_scale else None
-        lse_ref, g_lse_ref, g_label_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-        g_sum_ref = refs.pop(0) if cfg.with_sum else None
-        expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
-        rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
-    if cfg.kept_logits:
+    if cfg.kept_logits:  # y_ref is the slab of every per-row input (:class:`_RowSlab`)
         z_ref = refs.pop(0)
         m_ref = refs.pop(0) if cfg.kept_bf16 else None
         running_in = refs.pop(0) if cfg.dw_slots_read else None  # the running sum, or a zero block
@@ -285,9 +277,14 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
         dw_slots, dx_acc, sems, *staging = refs
         if cfg.dw_from_running and cfg.dw_to_running:
             running_in = dw_hbm  # aliased: read and written in place
-        _kept_kernel(x_ref, w_ref, (z_ref, z_hbm, m_ref), rows, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
-                     staging, _token_step(prefetch, cfg), cfg, label_refs)
+        _kept_kernel(x_ref, w_ref, (z_ref, z_hbm, m_ref), _RowSlab(y_ref, _row_fields(cfg)), running_in, dw_hbm,
+                     dxp_hbm, dw_slots, dx_acc, sems, staging, _token_step(prefetch, cfg), cfg, label_refs)
         return
+    scale_ref = refs.pop(0) if cfg.with_row_scale else None
+    lse_ref, g_lse_ref, g_label_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    g_sum_ref = refs.pop(0) if cfg.with_sum else None
+    expected_ref, g_expected_ref = (refs.pop(0), refs.pop(0)) if cfg.with_expected else (None, None)
+    rows = _Rows(y_ref, scale_ref, lse_ref, g_lse_ref, g_label_ref, g_sum_ref, expected_ref, g_expected_ref)
     dw_hbm, dxp_hbm, dw_acc, dw_stage, dx_buf, sems, *rest_buf = refs
     dw_remainder = rest_buf[0] if rest_buf else None
 
@@ -318,7 +315,7 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
 def _kept_kernel(x_ref, w_ref, z_refs, rows: _RowSlab, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
                  staging, t: _TokenStep, cfg: BackwardConfig, label_refs: LabelRows | None = None) -> None:
     """Kept-logits mode (:mod:`ce_pallas_tpu.kept_logits`): ``delta`` from the forward's logits; the chunk's
-    ``x`` and float32 ``dx`` resident in VMEM; ``dw`` accumulated onto the running sum in two VMEM slots
+    ``x``, float32 ``dx`` and per-row inputs (:class:`_RowSlab`) resident in VMEM; ``dw`` accumulated onto the running sum in two VMEM slots
     that DMAs fill and empty (:func:`_running_dw_dmas`), so no vector pass zeroes, stages or adds a tile.
     The first chunk's slots start at zero instead (:attr:`BackwardConfig.dw_from_running`: zeros read in by the
     same DMAs with :attr:`BackwardConfig.dw_zeros_by_dma`, else a vector pass); the last
@@ -725,7 +722,8 @@ def _across_block(per_lane: jax.Array, cfg: BackwardConfig) -> jax.Array:
     return jnp.concatenate([per_lane[:, lane:lane + LANES] for lane in lanes], axis=1)
 
 
-def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows | _RowSlab, i, block, cfg: BackwardConfig, m_ref=None) -> jax.Array:
+def _logit_cotangent(x_ref, w_ref, z_ref, rows: _Rows | _RowSlab, i, block, cfg: BackwardConfig,
+                     m_ref=None) -> jax.Array:
     """``delta`` of the tile (see the module docs) from its recomputed logits, in the products' dtype.
 
     Nothing is masked per logit. Rows past ``N`` get a ``delta`` of exactly 0 (:func:`_row_values`).
