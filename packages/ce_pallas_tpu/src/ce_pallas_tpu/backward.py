@@ -315,8 +315,9 @@ def _backward_kernel(x_ref, w_ref, y_ref, *rest, cfg: BackwardConfig, prefetch=N
 def _kept_kernel(x_ref, w_ref, z_refs, rows: _RowSlab, running_in, dw_hbm, dxp_hbm, dw_slots, dx_acc, sems,
                  staging, t: _TokenStep, cfg: BackwardConfig, label_refs: LabelRows | None = None) -> None:
     """Kept-logits mode (:mod:`ce_pallas_tpu.kept_logits`): ``delta`` from the forward's logits; the chunk's
-    ``x``, float32 ``dx`` and per-row inputs (:class:`_RowSlab`) resident in VMEM; ``dw`` accumulated onto the running sum in two VMEM slots
-    that DMAs fill and empty (:func:`_running_dw_dmas`), so no vector pass zeroes, stages or adds a tile.
+    ``x``, float32 ``dx`` and per-row inputs (:class:`_RowSlab`) resident in VMEM; ``dw`` accumulated onto the
+    running sum in two VMEM slots that DMAs fill and empty (:func:`_running_dw_dmas`), so no vector pass zeroes,
+    stages or adds a tile.
     The first chunk's slots start at zero instead (:attr:`BackwardConfig.dw_from_running`: zeros read in by the
     same DMAs with :attr:`BackwardConfig.dw_zeros_by_dma`, else a vector pass); the last
     chunk's go out through the recompute kernel's staging buffer in ``w``'s dtype

@@ -688,7 +688,13 @@ def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     """VMEM of the kept-logits backward: the recompute backward's model with its ``x`` blocks and ``dx``
     slots replaced by the chunk-resident ``x`` and float32 ``dx``, plus the kept logits' blocks, and its
     float32 accumulator replaced by two float32 ``dw`` slots (the ``w``-typed staging block stays: the
-    last chunk writes through it); every hidden extent the tile's (:attr:`BackwardConfig.hidden_split`)."""
+    last chunk writes through it); every hidden extent the tile's (:attr:`BackwardConfig.hidden_split`).
+    The per-row columns are still counted as the recompute kernel's two buffers of each, though the kept
+    backward holds them in one resident slab (``backward._RowSlab``: up to 6 MiB less at 1024-row blocks): an
+    overestimate kept so the plans stay the ones measured; counted exactly, 15 of the 96 matrix plans take larger
+    tiles, not all faster (v6e Llama-3 8B at 16384 tokens: 384-row blocks, its backward 1.06 -> 0.98-1.03 of its MXU
+    minimum; at 4096 one chunk in two hidden tiles, 1.142, against 1.12 in pieces;
+    docs/notes/2026-12-04-kept-row-slab.md)."""
     rows, hp = round_up(cfg.padded_n, 16), cfg.hidden_tile
     blocks = hp * cfg.block_v
     shape = dataclasses.replace(shape, hp=hp)
