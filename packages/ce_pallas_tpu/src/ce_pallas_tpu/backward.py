@@ -1138,8 +1138,6 @@ def _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_exp
                                    lambda c, j, i: (0, _hidden_and_vocab_step(j, cfg)[0]), pl.Buffered(1))
     else:
         x_spec = pl.BlockSpec((cfg.block_b, cfg.hp), rows)
-    in_specs = [x_spec, _w_block_spec(cfg), column]
-    operands = [x, w, labels]
     if cfg.kept_logits:  # the per-row columns in one resident slab (:class:`_RowSlab`), zero past N
         given = {"y": jax.lax.bitcast_convert_type(labels, jnp.float32), "scale": row_scale, "lse": lse,
                  "g_lse": g_lse, "g_label": g_label, "g_sum": g_sum, "expected": expected, "g_expected": g_expected}
@@ -1147,9 +1145,10 @@ def _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_exp
         missing = [name for name in fields if given[name] is None]
         assert not missing, f"the config asks for {missing}"
         slab = jnp.concatenate([given[name].astype(jnp.float32) for name in fields], axis=1)
-        in_specs[2] = common.block_spec((cfg.padded_n, len(fields)), lambda c, j, i: (0, 0), pl.Buffered(1))
-        operands[2] = jnp.pad(slab, ((0, cfg.padded_n - cfg.n), (0, 0)))
-        return in_specs, operands
+        slab_spec = common.block_spec((cfg.padded_n, len(fields)), lambda c, j, i: (0, 0), pl.Buffered(1))
+        return [x_spec, _w_block_spec(cfg), slab_spec], [x, w, jnp.pad(slab, ((0, cfg.padded_n - cfg.n), (0, 0)))]
+    in_specs = [x_spec, _w_block_spec(cfg), column]
+    operands = [x, w, labels]
     if cfg.with_row_scale:
         assert row_scale is not None, "cfg.with_row_scale needs row_scale"
         in_specs.append(column)
