@@ -8,6 +8,13 @@ rows of a covering array over their factors (:func:`pytest_generate_tests`).
 
 With ``CE_FAIL_ON_SKIP=1`` (set by ``.ci/run``) a skipped test fails the run: in CI every test,
 the TPU interpret-mode and ahead-of-time ones included, must really run.
+
+Interpreted kernels on a mesh: a test computes its oracle before it calls an interpreted pallas_tpu
+kernel over several devices, or waits for the kernel's result first. The TPU interpreter runs the
+kernel's body as nested executions from host callbacks; eager ops dispatched behind the still-running
+kernel (an op-by-op float64 oracle: dozens of them) take the CPU device's 32 in-flight slots, and the
+nested executions wait for slots that free only after the kernel ends. jaxlib 0.12 deadlocks there
+every time its compile caches are warm (tests/test_token_objective.py hung CI this way on 2026-12-04).
 """
 
 from __future__ import annotations

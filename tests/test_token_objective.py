@@ -66,10 +66,13 @@ def check(fn: Any, x: Any, labels: Any, w: Any, token_fn: Any, inputs: Any, *, d
           **options: Any) -> None:
     """Value and ``dx``, ``dw`` of ``fn`` (a linear_token_objective call) against the float64 oracle."""
     xj, wj = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
-    value, (dx, dw) = jax.jit(jax.value_and_grad(lambda a, b: fn(a, labels, b, token_fn, inputs, **options),
-                                                 argnums=(0, 1)))(xj, wj)
+    # The oracle first: dispatched behind an interpreted multi-device kernel still running (async dispatch),
+    # its dozens of eager float64 ops fill the CPU device's in-flight slots and the interpreter's nested
+    # executions wait on them, a deadlock (conftest.py, "interpreted kernels on a mesh").
     oracle_options = {k: v for k, v in options.items() if k in ("temperature", "logit_soft_cap", "w_layout")}
     expected, e_dx, e_dw = materialised(xj, labels, wj, token_fn, inputs, **oracle_options)
+    value, (dx, dw) = jax.jit(jax.value_and_grad(lambda a, b: fn(a, labels, b, token_fn, inputs, **options),
+                                                 argnums=(0, 1)))(xj, wj)
     assert value.dtype == jnp.float32 and value.shape == ()
     assert dx.dtype == xj.dtype and dw.dtype == wj.dtype and dw.shape == wj.shape
     value_tol, grad_tol = TOLERANCES[dtype]
