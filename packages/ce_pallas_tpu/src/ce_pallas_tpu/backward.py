@@ -226,11 +226,16 @@ class _DwWrite(NamedTuple):
 
 
 class _RowSlab(NamedTuple):
-    """Kept-logits mode's per-row inputs: one float32 ``[Np, k]`` slab resident in VMEM for the whole grid, its
-    columns the :class:`_Rows` fields present (``fields``, in that order; the labels' int32 bits stored as
-    float32), fetched once per core (:func:`_inputs`). Each ``[N, 1]`` column moved on its own would be fetched
-    whole 128-lane tiles at a time (512 bytes a row) at every step of the token-innermost grid: v6e, Llama-3 70B's
-    RL backward in 1024-token blocks, 3 of a step's 18.4 MB."""
+    """Kept-logits mode's per-row inputs: one float32 slab resident in VMEM for the whole grid, fetched once per
+    core (:func:`_inputs`), holding the :class:`_Rows` fields present (``fields``, in that order; the labels' int32
+    bits stored as float32). Each ``[N, 1]`` column moved on its own would be fetched whole 128-lane tiles at a
+    time (512 bytes a row) at every step of the token-innermost grid: v6e, Llama-3 70B's RL backward in 1024-token
+    blocks, 3 of a step's 18.4 MB.
+
+    Its layout (:func:`_slab_by_field`): ``[k Np, 1]``, the fields one after another, each at lane 0, where that fits
+    the VMEM the plan counts for the columns; else ``[Np, k]``, 512 bytes a row for all fields, whose field at
+    lane ``k`` is moved to lane 0 before it is broadcast along a step's lanes, at every step (v5p, Qwen2.5-0.5B's
+    RL backward: 1.114 of its MXU minimum by field, 1.145 packed, 1.118 as columns fetched every step)."""
 
     slab: Any
     fields: tuple[str, ...]
@@ -685,12 +690,28 @@ def _row_fields(cfg: BackwardConfig) -> tuple[str, ...]:
     return tuple(name for name in _Rows._fields if optional.get(name, True))
 
 
+def _slab_by_field(cfg: BackwardConfig) -> bool:
+    """Whether the kept backward's :class:`_RowSlab` is ``[k Np, 1]`` (each field at lane 0): where its
+    ``k * Np * 512`` bytes of VMEM are at most the two ``[block_b, 1]`` buffers a field that
+    ``kept_logits._backward_need`` counts, so at most two token blocks; ``[Np, k]`` otherwise."""
+    return cfg.nb <= 2
+
+
+def _field_rows(k: int, i, cfg: BackwardConfig) -> pl.Slice:
+    """Token block ``i``'s rows of field ``k`` in a ``[k Np, 1]`` :class:`_RowSlab`."""
+    first = k * cfg.padded_n
+    return pl.ds(first if cfg.nb == 1 else pl.multiple_of(first + i * cfg.block_b, cfg.block_b), cfg.block_b)
+
+
 def _read_rows(rows: _Rows | _RowSlab, i, cfg: BackwardConfig) -> _Rows:
     """Token block ``i``'s per-row inputs as ``[block_b, 1]`` values (absent ones None)."""
     if isinstance(rows, _Rows):
         return _Rows(*(None if ref is None else ref[...] for ref in rows))
-    block = rows.slab[_token_rows(i, cfg)]
-    values = {name: block[:, k:k + 1] for k, name in enumerate(rows.fields)}
+    if _slab_by_field(cfg):
+        values = {name: rows.slab[_field_rows(k, i, cfg), :] for k, name in enumerate(rows.fields)}
+    else:
+        block = rows.slab[_token_rows(i, cfg)]
+        values = {name: block[:, k:k + 1] for k, name in enumerate(rows.fields)}
     values["y"] = jax.lax.bitcast_convert_type(values["y"], jnp.int32)
     return _Rows(*(values.get(name) for name in _Rows._fields))
 
@@ -1144,9 +1165,10 @@ def _inputs(x, w, labels, row_scale, lse, g_lse, g_label, g_sum, expected, g_exp
         fields = _row_fields(cfg)
         missing = [name for name in fields if given[name] is None]
         assert not missing, f"the config asks for {missing}"
-        slab = jnp.concatenate([given[name].astype(jnp.float32) for name in fields], axis=1)
-        slab_spec = common.block_spec((cfg.padded_n, len(fields)), lambda c, j, i: (0, 0), pl.Buffered(1))
-        return [x_spec, _w_block_spec(cfg), slab_spec], [x, w, jnp.pad(slab, ((0, cfg.padded_n - cfg.n), (0, 0)))]
+        columns = [jnp.pad(given[name].astype(jnp.float32), ((0, cfg.padded_n - cfg.n), (0, 0))) for name in fields]
+        slab = jnp.concatenate(columns, axis=0 if _slab_by_field(cfg) else 1)
+        slab_spec = common.block_spec(slab.shape, lambda c, j, i: (0, 0), pl.Buffered(1))
+        return [x_spec, _w_block_spec(cfg), slab_spec], [x, w, slab]
     in_specs = [x_spec, _w_block_spec(cfg), column]
     operands = [x, w, labels]
     if cfg.with_row_scale:

@@ -690,10 +690,11 @@ def _backward_need(cfg: BackwardConfig, shape: cost_model.Shape) -> int:
     float32 accumulator replaced by two float32 ``dw`` slots (the ``w``-typed staging block stays: the
     last chunk writes through it); every hidden extent the tile's (:attr:`BackwardConfig.hidden_split`).
     The per-row columns are still counted as the recompute kernel's two buffers of each, though the kept
-    backward holds them in one resident slab (``backward._RowSlab``: up to 6 MiB less at 1024-row blocks): an
-    overestimate kept so the plans stay the ones measured; counted exactly, 15 of the 96 matrix plans take larger
-    tiles, not all faster (v6e Llama-3 8B at 16384 tokens: 384-row blocks, its backward 1.06 -> 0.98-1.03 of its MXU
-    minimum; at 4096 one chunk in two hidden tiles, 1.142, against 1.12 in pieces;
+    backward holds them in one resident slab (``backward._RowSlab``: as much where a call has at most two token
+    blocks and the slab holds each field at lane 0, else 512 bytes a row for all fields, up to 6 MiB less at
+    1024-row blocks): an overestimate kept so the plans stay the ones measured; counted exactly, 15 of the 96
+    matrix plans take larger tiles, not all faster (v6e Llama-3 8B at 16384 tokens: 384-row blocks, its backward
+    1.06 -> 0.98-1.03 of its MXU minimum; at 4096 one chunk in two hidden tiles, 1.142, against 1.12 in pieces;
     docs/notes/2026-12-04-kept-row-slab.md)."""
     rows, hp = round_up(cfg.padded_n, 16), cfg.hidden_tile
     blocks = hp * cfg.block_v
