@@ -543,9 +543,12 @@ def _running_dw_write(dw_hbm, dw_slots, sems, jj, i, block, h, cfg: BackwardConf
         pl.when(_core_last_block(jj, block, cfg))(write.wait)
 
 
-def _token_rows(i, cfg: BackwardConfig) -> pl.Slice:
-    """Token block ``i``'s rows of a chunk-resident buffer (kept-logits mode)."""
-    return pl.ds(0 if cfg.nb == 1 else pl.multiple_of(i * cfg.block_b, cfg.block_b), cfg.block_b)
+def _token_rows(i, cfg: BackwardConfig, first: int = 0) -> pl.Slice:
+    """Token block ``i``'s rows of a chunk-resident buffer (kept-logits mode) whose rows start at ``first``."""
+    if cfg.nb == 1:
+        return pl.ds(first, cfg.block_b)
+    start = i * cfg.block_b if first == 0 else first + i * cfg.block_b
+    return pl.ds(pl.multiple_of(start, cfg.block_b), cfg.block_b)
 
 
 def _prepare_resident_x(x_ref, jj, i, cfg: BackwardConfig) -> None:
@@ -697,18 +700,12 @@ def _slab_by_field(cfg: BackwardConfig) -> bool:
     return cfg.nb <= 2
 
 
-def _field_rows(k: int, i, cfg: BackwardConfig) -> pl.Slice:
-    """Token block ``i``'s rows of field ``k`` in a ``[k Np, 1]`` :class:`_RowSlab`."""
-    first = k * cfg.padded_n
-    return pl.ds(first if cfg.nb == 1 else pl.multiple_of(first + i * cfg.block_b, cfg.block_b), cfg.block_b)
-
-
 def _read_rows(rows: _Rows | _RowSlab, i, cfg: BackwardConfig) -> _Rows:
     """Token block ``i``'s per-row inputs as ``[block_b, 1]`` values (absent ones None)."""
     if isinstance(rows, _Rows):
         return _Rows(*(None if ref is None else ref[...] for ref in rows))
     if _slab_by_field(cfg):
-        values = {name: rows.slab[_field_rows(k, i, cfg), :] for k, name in enumerate(rows.fields)}
+        values = {name: rows.slab[_token_rows(i, cfg, k * cfg.padded_n), :] for k, name in enumerate(rows.fields)}
     else:
         block = rows.slab[_token_rows(i, cfg)]
         values = {name: block[:, k:k + 1] for k, name in enumerate(rows.fields)}
