@@ -55,24 +55,35 @@ def test_the_goal_shape_compiles_with_the_pair_kernels_within_five_percent_of_th
     assert result.temp_bytes is not None and result.temp_bytes <= BOUND_BYTES, (result.temp_bytes, BOUND_BYTES)
 
 
-def test_the_widest_speed_shape_compiles_on_v6e_with_the_rules_tiles():
-    """Issue 42's widest speed shape (Gemma-2 9B teaching 2B: tied heads, H 3584 and 2304, V 256000, 4096 tokens)
-    with the JSD (all three statistics modes' kernels and the gradient's): v6e's 1,024-square statistics tiles
-    fit its VMEM beside both heads' blocks."""
-    n, hs, ht, v = 4096, 2304, 3584, 256000
+#: Wide pairs, ``(student H, teacher H, V, layout)``: Gemma-2 9B teaching 2B (issue 42's widest speed shape, tied
+#: heads) and Llama-3 70B teaching 8B (``[H, V]`` heads, ``H`` 12,288 between them: past the statistics kernel's
+#: VMEM at v6e's 1,024-square tiles and the gradient's at v5p's 128 x 512 until the rules shrank them).
+WIDE_PAIRS = {"gemma2": (2304, 3584, 256000, "vh"), "llama3-70b": (4096, 8192, 128256, "hv")}
+
+
+@pytest.mark.parametrize(("generation", "pair", "divergence"), [("v6e", "gemma2", "jsd"), ("v6e", "llama3-70b", "jsd"),
+                                                                 ("v6e", "llama3-70b", "forward_kl"),
+                                                                 ("v5p", "llama3-70b", "jsd")])
+def test_a_wide_pair_compiles_with_the_rules_tiles(generation, pair, divergence):
+    """4096 tokens: the JSD's statistics kernels (its lses pass and the pass with them given) or a KL's one-pass
+    kernel, and the gradient's, all within the generation's VMEM with the tiles :func:`pair.make_configs` fits."""
+    n = 4096
+    hs, ht, v, layout = WIDE_PAIRS[pair]
 
     def loss(x, w, teacher_x, teacher_w):
-        return linear_distillation_loss(x, w, teacher_x, teacher_w, divergence="jsd", w_layout="vh",
-                                        teacher_w_layout="vh", implementation="pallas_tpu")
+        return linear_distillation_loss(x, w, teacher_x, teacher_w, divergence=divergence, w_layout=layout,
+                                        teacher_w_layout=layout, implementation="pallas_tpu")
 
     def compile_fn():
-        with aot.compiling_for("v6e") as device:
+        with aot.compiling_for(generation) as device:
             sharding = jax.sharding.SingleDeviceSharding(device)
-            shapes = ((n, hs), (v, hs), (n, ht), (v, ht))
+            heads = [(h, v) if layout == "hv" else (v, h) for h in (hs, ht)]
+            shapes = ((n, hs), heads[0], (n, ht), heads[1])
             args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding) for shape in shapes]
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
 
     compiled, _ = compile_program(compile_fn)
     text = compiled.as_text()
-    assert "ce_pallas_tpu_pair_stats_lses" in text and "ce_pallas_tpu_pair_stats_given" in text
+    modes = ("lses", "given") if divergence == "jsd" else ("online",)
+    assert all(f"ce_pallas_tpu_pair_stats_{mode}" in text for mode in modes)
     assert "ce_pallas_tpu_pair_grad" in text

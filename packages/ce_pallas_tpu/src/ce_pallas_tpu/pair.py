@@ -601,8 +601,10 @@ CHUNK_ROWS, VOCAB_COLUMNS = 1024, 512
 #: vector work that waits for its last product is a fixed share of the step; v6e's MXU is four times v5e's against
 #: vector units of the same width, so it hides that share only in larger tiles (libtpu's static schedule,
 #: ``tools/schedule_pair.py``: a KL's pass at Qwen3-8B -> 0.6B went 1.27 -> 1.19 of its MXU minimum from 512 to
-#: 1,024 square; v5e and v5p are at 1.04 with 512).
-STATS_TILES = {"default": (512, 512), "v6e": (1024, 1024)}
+#: 1,024 square; v5e and v5p are at 1.04 with 512). v6e's 2,048 rows where they fit (:func:`_fitted_stats_tiles`):
+#: Qwen3's heads' KL pass 1.087 -> 1.071, the JSD's lses pass 1.053 -> 1.032 and its given pass 1.120 -> 1.107;
+#: Gemma-2's take 1,024.
+STATS_TILES = {"default": (512, 512), "v6e": (2048, 1024)}
 #: The generations whose statistics kernel streams a row's later vocab blocks (:func:`_online_kernel`). In libtpu's
 #: static schedule it takes v6e's KL pass at Qwen3-8B -> 0.6B from 1.19 to 1.09 of its MXU minimum and the JSD's
 #: lses pass from 1.13 to 1.05; on v5e and v5p, whose MXU leaves the element's vector work hidden, the step's
@@ -612,11 +614,48 @@ STREAMED_STATS = ("v6e",)
 ROW_ALIGN = 16
 
 
-def _grad_vmem_bytes(chunk: int, hsp: int, htp: int, block_v: int, x_bytes: int, u_bytes: int, w_bytes: int,
+def _grad_vmem_bytes(chunk: int, hsp: int, htp: int, block_v: int, x_bytes: int, w_bytes: int, u_bytes: int,
                      v_bytes: int) -> int:
     """The gradient kernel's VMEM: double-buffered operands and ``dw`` blocks, ``dx``, and ~6 float32 tiles."""
     operands = chunk * (hsp * x_bytes + htp * u_bytes) + block_v * (hsp * w_bytes + htp * v_bytes)
     return 2 * operands + 4 * hsp * block_v * 4 + 3 * chunk * hsp * 4 + 6 * chunk * block_v * 4
+
+
+#: The statistics kernel's float32 working set beside its operand blocks, in ``[rows, block_v]`` tiles: what Mosaic
+#: spills of the two heads' logit tiles and their terms, fitted to libtpu's largest figure (v6e, Llama-3 70B teaching
+#: 8B, ``H`` 8192 and 4096 at 1,024 x 1,024: 121.55 MiB of scoped VMEM, 96 MiB of it the double-buffered operands;
+#: Qwen3's heads at 4,096 x 1,024 spill 4.2 tiles), plus :data:`STATS_FIXED_BYTES` of row columns and accumulators.
+STATS_WORK_TILES = 6.4
+STATS_FIXED_BYTES = 4 * 2**20
+#: The statistics kernel's token block is not halved below this many rows before its vocab block is: each token block
+#: reads both heads whole from HBM once, and at ``H`` 12,288 between them 512-row blocks would leave a pass bound by
+#: that traffic on v6e.
+STATS_MIN_HALVED_ROWS = 1024
+
+
+def _stats_vmem_bytes(rows: int, block_v: int, hsp: int, htp: int, x_bytes: int, w_bytes: int, u_bytes: int,
+                      v_bytes: int) -> int:
+    """The statistics kernel's VMEM: double-buffered operand blocks and the float32 working set."""
+    operands = rows * (hsp * x_bytes + htp * u_bytes) + block_v * (hsp * w_bytes + htp * v_bytes)
+    return 2 * operands + int(STATS_WORK_TILES * rows * block_v * 4) + STATS_FIXED_BYTES
+
+
+def _fitted_stats_tiles(rows: int, block_v: int, hsp: int, htp: int, sizes: list[int], limit: int) -> tuple[int, int]:
+    """The generation's statistics tiles, shrunk until :func:`_stats_vmem_bytes` is within ``limit``: the rows
+    halved down to :data:`STATS_MIN_HALVED_ROWS`, then the vocab block down to 256 columns, then the rows down to
+    128. Distilling Llama-3 70B into 8B on v6e (``H`` 8192 and 4096) needed 121.55 MiB at 1,024 x 1,024 against
+    the 115.2 MiB limit and did not compile; it takes 1,024 x 512. Heads up to Qwen3-8B's and Gemma-2 9B's keep
+    their tiles."""
+    def fits(r: int, c: int) -> bool:
+        return _stats_vmem_bytes(r, c, hsp, htp, *sizes) <= limit
+
+    while not fits(rows, block_v) and rows > STATS_MIN_HALVED_ROWS:
+        rows //= 2
+    while not fits(rows, block_v) and block_v > 256:
+        block_v //= 2
+    while not fits(rows, block_v) and rows > 128:
+        rows //= 2
+    return rows, block_v
 
 
 def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, Any], spec: PairSpec,
@@ -635,8 +674,13 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
         chunk, block_v = CHUNK_ROWS, VOCAB_COLUMNS
         budget = (limit or tiling.vmem_limit(target)) * 3 // 4
         hsp, htp = round_up(hs, LANES), round_up(ht, LANES)
+        stats_rows, stats_v = _fitted_stats_tiles(stats_rows, stats_v, hsp, htp, sizes,
+                                                  limit or tiling.vmem_limit(target))
         while chunk > 128 and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
             chunk //= 2
+        # Then the vocab block (v5p, Llama-3 70B teaching 8B: 128-row chunks still needed 68.7 MiB of its 64).
+        while block_v > LANES and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
+            block_v //= 2
     # A gradient chunk is a slice of exactly ``chunk`` rows (the last one moved back to end at ``N``): at most
     # ``N``, and whole packed sublanes where ``N`` has that many.
     stats_rows = min(stats_rows, rows_cap)
