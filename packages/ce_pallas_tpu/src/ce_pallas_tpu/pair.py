@@ -614,10 +614,15 @@ STREAMED_STATS = ("v6e",)
 ROW_ALIGN = 16
 
 
-def _grad_vmem_bytes(chunk: int, hsp: int, htp: int, block_v: int, x_bytes: int, w_bytes: int, u_bytes: int,
-                     v_bytes: int) -> int:
+def _operand_bytes(rows: int, block_v: int, hsp: int, htp: int, x_bytes: int, w_bytes: int, u_bytes: int,
+                   v_bytes: int) -> int:
+    """One buffer each of a kernel's operand blocks: both heads' ``rows`` hidden states and ``block_v`` entries."""
+    return rows * (hsp * x_bytes + htp * u_bytes) + block_v * (hsp * w_bytes + htp * v_bytes)
+
+
+def _grad_vmem_bytes(chunk: int, hsp: int, htp: int, block_v: int, *sizes: int) -> int:
     """The gradient kernel's VMEM: double-buffered operands and ``dw`` blocks, ``dx``, and ~6 float32 tiles."""
-    operands = chunk * (hsp * x_bytes + htp * u_bytes) + block_v * (hsp * w_bytes + htp * v_bytes)
+    operands = _operand_bytes(chunk, block_v, hsp, htp, *sizes)
     return 2 * operands + 4 * hsp * block_v * 4 + 3 * chunk * hsp * 4 + 6 * chunk * block_v * 4
 
 
@@ -633,10 +638,9 @@ STATS_FIXED_BYTES = 4 * 2**20
 STATS_MIN_HALVED_ROWS = 1024
 
 
-def _stats_vmem_bytes(rows: int, block_v: int, hsp: int, htp: int, x_bytes: int, w_bytes: int, u_bytes: int,
-                      v_bytes: int) -> int:
+def _stats_vmem_bytes(rows: int, block_v: int, hsp: int, htp: int, *sizes: int) -> int:
     """The statistics kernel's VMEM: double-buffered operand blocks and the float32 working set."""
-    operands = rows * (hsp * x_bytes + htp * u_bytes) + block_v * (hsp * w_bytes + htp * v_bytes)
+    operands = _operand_bytes(rows, block_v, hsp, htp, *sizes)
     return 2 * operands + int(STATS_WORK_TILES * rows * block_v * 4) + STATS_FIXED_BYTES
 
 
@@ -672,10 +676,10 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
     else:
         stats_rows, stats_v = STATS_TILES.get(target.generation, STATS_TILES["default"])
         chunk, block_v = CHUNK_ROWS, VOCAB_COLUMNS
-        budget = (limit or tiling.vmem_limit(target)) * 3 // 4
+        vmem = limit or tiling.vmem_limit(target)
+        budget = vmem * 3 // 4
         hsp, htp = round_up(hs, LANES), round_up(ht, LANES)
-        stats_rows, stats_v = _fitted_stats_tiles(stats_rows, stats_v, hsp, htp, sizes,
-                                                  limit or tiling.vmem_limit(target))
+        stats_rows, stats_v = _fitted_stats_tiles(stats_rows, stats_v, hsp, htp, sizes, vmem)
         while chunk > 128 and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
             chunk //= 2
         # Then the vocab block (v5p, Llama-3 70B teaching 8B: 128-row chunks still needed 68.7 MiB of its 64).
