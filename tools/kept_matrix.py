@@ -3,6 +3,8 @@
     uv run python tools/kept_matrix.py kernels GEN [--heads a,b] [--skip-recompute | --only-recompute] [--tokens 4096]
         [--kept-backward-only] [--objective rl]
     uv run python tools/kept_matrix.py materialised GEN --heads a,b --v-small 8192 --tokens 2048,4096 [--objective rl]
+    uv run python tools/kept_matrix.py scale-op GEN --head H --tokens N --v-small V --op OP --from-v V0
+        --via-tokens N0 [--objective rl]
     uv run python tools/kept_matrix.py table [--save]
 
 ``kernels``: per head of ``ce_bench.presets.MODEL_HEADS`` (tied heads in their ``[V, H]`` layout), the
@@ -10,7 +12,9 @@ chunk ``kept_logits.plan_chunks`` picks at N = 4096 and 16384, the kept forward 
 chunk (``schedule.Job(kernel, chunk, h, v, keep_logits=True)``) and the recompute kernels at full N, all in
 one ``schedule.measure`` call per generation. ``materialised``: ``step.measure_step_ops(gen, "materialised",
 n, h, v_small)`` (the whole value_and_grad step of the materialised baseline) at two token counts above the
-roofline ridge and a reduced vocabulary, to be scaled linearly to the full V. ``table``: the figures.
+roofline ridge and a reduced vocabulary, to be scaled linearly to the full V. ``scale-op``: an op of such a point
+that the profiler could not walk, priced from its profiles at smaller points (:func:`cmd_scale_op`). ``table``:
+the figures.
 ``--objective rl``: the fused RL objective with an entropy bonus instead of the plain loss: its kernels take the
 entropy's statistic (``StatsSpec(with_expected=True)``, as ``linear_token_objective`` with
 ``PolicyLoss(entropy_coefficient=...)`` asks), and its baseline is ``step.py``'s ``materialised_rl`` step. (A policy
@@ -204,6 +208,49 @@ def cmd_materialised(args: argparse.Namespace) -> None:
                   f"{entry.get('xla_cycles', entry.get('error'))} ({entry['wall_s']} s)", file=sys.stderr, flush=True)
 
 
+def cmd_scale_op(args: argparse.Namespace) -> None:
+    """Price an op the profiler could not walk at a materialised point (its compile killed for memory) from its
+    profiles at smaller points: ``c(N, V) = c(N, V0) * c(N0, V) / c(N0, V0)``, its growth in V measured at fewer
+    tokens. Stored with the point (``op_estimates``); :func:`point_ms` then counts it instead of its estimate."""
+    from ce_pallas_tpu.tooling.schedule import step
+
+    path, objective = BASELINE_PATHS[args.objective], args.objective
+    ((name, h, _),) = heads(args.head)
+    n, v, n0, v0 = args.tokens, args.v_small, args.via_tokens, args.from_v
+    def measure(tokens: int, vocab: int) -> step.OpCycles:
+        ops = step.measure_ops(args.gen, path, tokens, h, vocab)
+        if args.op not in ops:
+            raise SystemExit(f"the step at N={tokens}, V={vocab} has no op {args.op!r}")
+        return ops[args.op]
+
+    target = measure(n, v)
+    print(f"{args.op} at N={n}, V={v}: profiled {target.profiled}, unprofiled {target.unprofiled:.0f}",
+          file=sys.stderr, flush=True)
+    points = {}
+    for pn, pv in ((n, v0), (n0, v0), (n0, v)):
+        measured = measure(pn, pv)
+        if measured.profiled is None:
+            raise SystemExit(f"{args.op} has no profile at N={pn}, V={pv}")
+        points[f"{pn}x{pv}"] = measured.profiled
+        print(f"{args.op} at N={pn}, V={pv}: {measured.profiled}", file=sys.stderr, flush=True)
+    cycles = points[f"{n}x{v0}"] * points[f"{n0}x{v}"] / points[f"{n0}x{v0}"]
+    if target.profiled is not None:  # the profiler walked it after all: its own figure, the scaled one beside
+        cycles = float(target.profiled)
+    data = load()
+    point = next((e for e in data.get("materialised", {}).get(args.gen, []) if e["head"] == name and e["n"] == n
+                  and e["v_small"] == v and objective_of(e) == objective and not e.get("error")), None)
+    if point is None:
+        raise SystemExit(f"no materialised point {args.gen} {name} N={n} V={v} ({objective}): measure it first")
+    if args.op not in (point.get("estimated_ops") or []):
+        raise SystemExit(f"{args.op} was profiled at that point: nothing to price")
+    point.setdefault("op_estimates", {})[args.op] = {
+        "cycles": cycles, "unprofiled": target.unprofiled, "profiles": points,
+        "rule": f"c({n}, {v}) = c({n}, {v0}) * c({n0}, {v}) / c({n0}, {v0})", "commit": commit(),
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    save(data)
+    print(f"{args.op} at N={n}, V={v}: {cycles:.0f} cycles (was charged {target.unprofiled:.0f})", file=sys.stderr)
+
+
 # ----------------------------------------------------------------------------------------------- figures
 
 def _ms(record: dict) -> float | None:
@@ -270,10 +317,13 @@ def point_ms(gen: str, e: dict) -> float:
     its operands' bytes, i.e. a whole float32 [N, V] read, for a gather of N values: those estimates are
     dropped here (the raw sum stays in the record; where another op was estimated beside them, the gather's
     share at :func:`gather_cycles_per_entry`'s rate). Other estimated ops (a matmul fusion the profiler
-    aborted on: its flops at the peak) are kept."""
+    aborted on: its flops at the peak) are kept, unless ``scale-op`` priced the op from its profiles at smaller
+    points (``op_estimates``)."""
     from ce_pallas_tpu.tooling.schedule.chips import SCHEDULE_CHIPS
 
     total = e["kernel_cycles"] + e["xla_cycles"]
+    for estimate in (e.get("op_estimates") or {}).values():  # an estimated op priced by ``scale-op`` instead
+        total += estimate["cycles"] - estimate["unprofiled"]
     ops = e.get("estimated_ops") or []
     if ops and all(_is_gather(op) for op in ops):
         total -= e["estimated_cycles"]
@@ -586,6 +636,16 @@ def main(argv: list[str]) -> int:
     mat.add_argument("--tokens", default="2048,4096")
     mat.add_argument("--objective", choices=OBJECTIVES, default="loss")
     mat.set_defaults(fn=cmd_materialised)
+    scale = sub.add_parser("scale-op")
+    scale.add_argument("gen", choices=GENERATIONS)
+    scale.add_argument("--head", required=True)
+    scale.add_argument("--tokens", type=int, required=True)
+    scale.add_argument("--v-small", type=int, required=True)
+    scale.add_argument("--op", required=True)
+    scale.add_argument("--from-v", type=int, required=True, help="a V at which the op is profiled at --tokens")
+    scale.add_argument("--via-tokens", type=int, required=True, help="fewer tokens, at which it is profiled at both V")
+    scale.add_argument("--objective", choices=OBJECTIVES, default="loss")
+    scale.set_defaults(fn=cmd_scale_op)
     table = sub.add_parser("table")
     table.add_argument("--save", action="store_true")
     table.set_defaults(fn=cmd_table)

@@ -349,3 +349,19 @@ def test_the_step_compiles_and_sums_for_v5p(tmp_path: Path, layout: str) -> None
         assert record["est_ms"] > 0 and record["ratio_8nhv"] > 0.5
         assert record["baseline_ms"] == records[1]["est_ms"]
     assert records[0]["kernels_ms"] > 0
+
+
+@pytest.mark.slow
+def test_each_op_of_a_compiled_step_has_its_profile_and_the_price_it_would_have_without_one() -> None:
+    """``step.measure_ops`` (what ``tools/kept_matrix.py scale-op`` prices an op from): the materialised step for
+    v5p at a tiny shape. Its matmul fusions are profiled, in the same cycles as the price charged without a profile
+    (at least their flops at the MXU peak, within 5x of it); every op is priced at least its HBM bytes."""
+    ops = step.measure_ops("v5p", "materialised", 512, 256, 2048)
+    matmuls = [op for op in ops.values() if op.flops]
+    assert len(matmuls) >= 2, ops  # the logits and the two gradients, fused or not
+    chip = SCHEDULE_CHIPS["v5p"]
+    for op in matmuls:
+        assert op.profiled is not None, op
+        peak = op.flops / chip.bf16_flops * chip.clock_hz  # one core: the price allows XLA's split over two
+        assert peak / 2 <= op.unprofiled and 0.9 * peak / 2 <= op.profiled <= 5 * max(op.unprofiled, peak), op
+    assert all(op.unprofiled > 0 for op in ops.values())

@@ -607,6 +607,42 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
         return sum_step(n, generation, hlo.read_text(), list(profiles.values()), abort_text, cores)
 
 
+@dataclasses.dataclass(frozen=True)
+class OpCycles:
+    """One op of a compiled step: its profiled cycles (None where the profiler aborted on it), what
+    :func:`sum_step` charges it without a profile (:func:`unprofiled_cycles`, no floor), and its matmul flops."""
+
+    op: str
+    profiled: int | None
+    unprofiled: float
+    flops: int
+
+
+def measure_ops(generation: str, path: str, n: int, h: int, v: int, dtype: str = "bfloat16",
+                w_layout: str = "hv") -> dict[str, OpCycles]:
+    """Each op of the step of ``path`` at ``n`` tokens that emits code, by name (one compile with the profile flags;
+    the HLO from a compile without them where that one aborts): for pricing an op the profiler cannot walk at one
+    point (its compile killed for memory) from its profiles at smaller points."""
+    from ce_pallas_tpu.target import CHIP_FACTS
+
+    with tempfile.TemporaryDirectory(prefix="ce-op-") as tmp:
+        root = Path(tmp)
+        profile_dir = root / "profile"
+        profile_dir.mkdir()
+        _compile_child(generation, path, n, h, v, dtype, root, profile_dir, None, w_layout)
+        hlo = root / "step.hlo.txt"
+        if not hlo.exists():
+            _compile_child(generation, path, n, h, v, dtype, root, None, None, w_layout)
+        if not hlo.exists():
+            raise RuntimeError(f"the {path} step at N={n}, V={v} does not compile for {generation}")
+        module = parse_hlo(hlo.read_text())
+        profiled = {p.name: p.cycles for p in read_op_profiles(profile_dir)}
+    cores = CHIP_FACTS[generation].num_cores if generation in CHIP_FACTS else 1
+    return {op.name: OpCycles(op.name, profiled.get(op.name), unprofiled_cycles(op, module, generation, cores),
+                              module.flops(op))
+            for op in module.ops.values() if op.emits_code and op.name in module.runs and not op.is_kernel}
+
+
 def _main(argv: list[str]) -> int:
     """Child process: compile one step for a deviceless TPU and write its HLO text."""
     generation, path, n, h, v, dtype, w_layout, out, chunk, split, piece = argv
