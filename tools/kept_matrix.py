@@ -234,7 +234,7 @@ def cmd_scale_op(args: argparse.Namespace) -> None:
         points[f"{pn}x{pv}"] = measured.profiled
         print(f"{args.op} at N={pn}, V={pv}: {measured.profiled}", file=sys.stderr, flush=True)
     cycles = points[f"{n}x{v0}"] * points[f"{n0}x{v}"] / points[f"{n0}x{v0}"]
-    if target.profiled is not None:  # the profiler walked it after all: its own figure, the scaled one beside
+    if target.profiled is not None:  # the profiler walked it after all: its own figure (the points' kept beside)
         cycles = float(target.profiled)
     data = load()
     point = next((e for e in data.get("materialised", {}).get(args.gen, []) if e["head"] == name and e["n"] == n

@@ -662,6 +662,17 @@ def _fitted_stats_tiles(rows: int, block_v: int, hsp: int, htp: int, sizes: list
     return rows, block_v
 
 
+def _fitted_grad_tiles(chunk: int, block_v: int, hsp: int, htp: int, sizes: list[int], budget: int) -> tuple[int, int]:
+    """The gradient's ``(chunk, block_v)``, shrunk until :func:`_grad_vmem_bytes` is within ``budget``: the chunk
+    halved down to 128 rows, then the vocab block (v5p, Llama-3 70B teaching 8B: 128-row chunks still needed
+    68.7 MiB of its 64)."""
+    while chunk > 128 and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
+        chunk //= 2
+    while block_v > LANES and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
+        block_v //= 2
+    return chunk, block_v
+
+
 def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, Any], spec: PairSpec,
                  target) -> tuple[PairConfig, PairConfig]:
     """The statistics kernel's and the gradient kernel's configs for ``n`` rows on ``target``."""
@@ -680,11 +691,7 @@ def make_configs(n: int, hs: int, ht: int, v: int, dtypes: tuple[Any, Any, Any, 
         budget = vmem * 3 // 4
         hsp, htp = round_up(hs, LANES), round_up(ht, LANES)
         stats_rows, stats_v = _fitted_stats_tiles(stats_rows, stats_v, hsp, htp, sizes, vmem)
-        while chunk > 128 and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
-            chunk //= 2
-        # Then the vocab block (v5p, Llama-3 70B teaching 8B: 128-row chunks still needed 68.7 MiB of its 64).
-        while block_v > LANES and _grad_vmem_bytes(chunk, hsp, htp, block_v, *sizes) > budget:
-            block_v //= 2
+        chunk, block_v = _fitted_grad_tiles(chunk, block_v, hsp, htp, sizes, budget)
     # A gradient chunk is a slice of exactly ``chunk`` rows (the last one moved back to end at ``N``): at most
     # ``N``, and whole packed sublanes where ``N`` has that many.
     stats_rows = min(stats_rows, rows_cap)

@@ -601,10 +601,14 @@ def measure_step_ops(generation: str, path: str, n: int, h: int, v: int, dtype: 
         if aborts:
             names = ", ".join(sorted(failed_ops)) or "?"
             abort_text = f"aborted on {names} in {len(aborts)} of {attempt + 1} compiles: {aborts[0]}"[:400]
-        from ce_pallas_tpu.target import CHIP_FACTS
+        return sum_step(n, generation, hlo.read_text(), list(profiles.values()), abort_text, _cores(generation))
 
-        cores = CHIP_FACTS[generation].num_cores if generation in CHIP_FACTS else 1
-        return sum_step(n, generation, hlo.read_text(), list(profiles.values()), abort_text, cores)
+
+def _cores(generation: str) -> int:
+    """TensorCores that split an XLA matmul on ``generation`` (1 where the chip is not known)."""
+    from ce_pallas_tpu.target import CHIP_FACTS
+
+    return CHIP_FACTS[generation].num_cores if generation in CHIP_FACTS else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -623,8 +627,6 @@ def measure_ops(generation: str, path: str, n: int, h: int, v: int, dtype: str =
     """Each op of the step of ``path`` at ``n`` tokens that emits code, by name (one compile with the profile flags;
     the HLO from a compile without them where that one aborts): for pricing an op the profiler cannot walk at one
     point (its compile killed for memory) from its profiles at smaller points."""
-    from ce_pallas_tpu.target import CHIP_FACTS
-
     with tempfile.TemporaryDirectory(prefix="ce-op-") as tmp:
         root = Path(tmp)
         profile_dir = root / "profile"
@@ -637,7 +639,7 @@ def measure_ops(generation: str, path: str, n: int, h: int, v: int, dtype: str =
             raise RuntimeError(f"the {path} step at N={n}, V={v} does not compile for {generation}")
         module = parse_hlo(hlo.read_text())
         profiled = {p.name: p.cycles for p in read_op_profiles(profile_dir)}
-    cores = CHIP_FACTS[generation].num_cores if generation in CHIP_FACTS else 1
+    cores = _cores(generation)
     return {op.name: OpCycles(op.name, profiled.get(op.name), unprofiled_cycles(op, module, generation, cores),
                               module.flops(op))
             for op in module.ops.values() if op.emits_code and op.name in module.runs and not op.is_kernel}
