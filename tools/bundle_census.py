@@ -56,7 +56,6 @@ def _kept_program(args: argparse.Namespace, device: Any) -> Program:
 
     from ce_bench.presets import MODEL_HEADS
     from ce_pallas_tpu.tooling.schedule import worker
-    from ce_pallas_tpu.tooling.schedule.chips import mxu_cycles
     from ce_pallas_tpu.tooling.schedule.grid_fit import small_grid
     from ce_pallas_tpu.tooling.schedule.kept_calls import kept_jobs
     from ce_pallas_tpu.tooling.schedule.programs import kernel_program
@@ -70,8 +69,7 @@ def _kept_program(args: argparse.Namespace, device: Any) -> Program:
     small = small_grid(cfg, 3, 3)
     fn, operands = kernel_program(job.kernel, small, job.x_dtype, job.w_dtype,
                                   jax.sharding.SingleDeviceSharding(device))
-    step_h = cfg.block_h if job.kernel == "forward" else cfg.hidden_tile
-    mxu = mxu_cycles(args.generation, job.kernel, cfg.block_b, step_h, cfg.block_v, True)
+    mxu = worker.step_mxu_cycles(job, cfg, args.generation)
     return fn, operands, worker.OP_NAMES[job.kernel], cfg.block_b, cfg.block_v, int(mxu)
 
 
@@ -91,17 +89,7 @@ def _pair_program(args: argparse.Namespace, device: Any) -> Program:
     cfg, _ = pair.make_configs(args.tokens, hs, ht, vocab, (bf16, bf16, bf16, bf16), spec, current_target())
     sn, sv = schedule_pair._small(args.tokens, vocab, cfg.block_b, cfg.block_v, 1, 3, 3)
     small = dataclasses.replace(cfg, n=sn, v=sv)
-    sharding = jax.sharding.SingleDeviceSharding(device)
-
-    def operand(shape: tuple[int, ...], dtype: Any = bf16):
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
-
-    def head(h: int, layout: str):
-        return operand((h, sv) if layout == "hv" else (sv, h))
-
-    column = operand((sn, 1), jnp.float32)
-    operands = [operand((sn, hs)), head(hs, s_layout), operand((sn, ht)), head(ht, t_layout), column]
-    operands += [column, column] if args.mode == "given" else []
+    operands = schedule_pair.stats_operands(args.pair, sn, sv, args.mode, jax.sharding.SingleDeviceSharding(device))
     fn = functools.partial(schedule_pair._stats_program, cfg=small, mode=args.mode, walk_shares=None)
     chip = SCHEDULE_CHIPS[args.generation]
     mxu = cfg.block_b * cfg.block_v * (hs + ht) * 2 / (chip.bf16_flops / chip.clock_hz)

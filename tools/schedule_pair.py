@@ -59,6 +59,25 @@ def _stats_program(x, w, u, v, scale, *lses, cfg, mode: str, walk_shares: int | 
     return pair.pair_stats_call(x, w, u, v, scale, cfg, mode, walk=walk)
 
 
+def stats_operands(pair: str, n: int, v: int, mode: str, sharding) -> list:
+    """The statistics kernel's operands for ``n`` tokens and ``v`` vocabulary entries of a :data:`PAIRS` pair (bf16
+    hidden states and heads in their layouts, the float32 row scale, and the given lses for the ``"given"`` pass)."""
+    import jax
+    import jax.numpy as jnp
+
+    hs, s_layout, ht, t_layout, _ = PAIRS[pair]
+
+    def operand(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    def head(h: int, layout: str):
+        return operand((h, v) if layout == "hv" else (v, h))
+
+    column = operand((n, 1), jnp.float32)
+    return [operand((n, hs)), head(hs, s_layout), operand((n, ht)), head(ht, t_layout), column,
+            *([column, column] if mode == "given" else [])]
+
+
 def _grad_program(x, w, u, v, *rest, cfg):
     from ce_pallas_tpu import pair
 
@@ -135,11 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                             for kv in (2, 3):
                                 sn, sv = _small(n, vocab, cfg.block_b, cfg.block_v, 1, kb * cores, kv)
                                 small = dataclasses.replace(cfg, n=sn, v=sv)
-                                column = operand((sn, 1), jnp.float32)
-                                ops = [operand((sn, hs), bf16), head(hs, sv, s_layout), operand((sn, ht), bf16),
-                                       head(ht, sv, t_layout), column]
-                                if mode == "given":
-                                    ops += [column, column]
+                                ops = stats_operands(name, sn, sv, mode, sharding)
                                 fn = functools.partial(_stats_program, cfg=small, mode=mode,
                                                        walk_shares=cores if args.walk else None)
                                 totals[(kb, kv)] = cycles_of(fn, ops, f"ce_pallas_tpu_pair_stats_{mode}")

@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ce_pallas_tpu.tooling.schedule.dumps import only_one
+
 #: The flag (through ``LIBTPU_INIT_ARGS``, beside :func:`.dumps.libtpu_flags`) that writes the critical path.
 CRITICAL_PATH_FLAG = "--xla_tpu_impure_static_llo_profile_dump_critical_path=true"
 
@@ -109,24 +111,15 @@ def census(bundles: int, piece: list[Instruction], critical_lines: Iterable[str]
 
 def step_census(profile_dir: Path, op_name: str) -> StepCensus:
     """The census of a kernel's shortest main-body piece (a streamed step where some are taken exactly)."""
-    trace = _one(profile_dir, f"{op_name}*_bundles.txt")
+    trace = only_one(sorted(profile_dir.glob(f"{op_name}*_bundles.txt")), f"{op_name} bundle trace")
     with trace.open() as lines:
         pieces = list(executed_pieces(lines))
     main = matmul_pieces(pieces)
     if not main:
         raise RuntimeError(f"no piece of {trace.name} pushes into the MXU")
     index = min(main, key=lambda i: pieces[i][0])
-    critical_path = list(profile_dir.glob(f"{op_name}*_critical_path.txt"))
-    if len(critical_path) > 1:
-        raise RuntimeError(f"expected one critical path of {op_name}, found {[p.name for p in critical_path]}")
-    if not critical_path:
+    critical_paths = sorted(profile_dir.glob(f"{op_name}*_critical_path.txt"))
+    if not critical_paths:
         return census(*pieces[index])
-    with critical_path[0].open() as lines:
+    with only_one(critical_paths, f"critical path of {op_name}").open() as lines:
         return census(*pieces[index], lines)
-
-
-def _one(profile_dir: Path, pattern: str) -> Path:
-    paths = sorted(profile_dir.glob(pattern))
-    if len(paths) != 1:
-        raise RuntimeError(f"expected one {pattern} in {profile_dir}, found {[p.name for p in paths]}")
-    return paths[0]

@@ -52,7 +52,8 @@ class KernelTrace:
     hbm_bytes: int  # bytes of the completed DMAs
 
 
-def _only(paths: list[Path], what: str) -> Path:
+def only_one(paths: list[Path], what: str) -> Path:
+    """The one path of ``paths`` (a dump directory's glob), or a ``RuntimeError`` naming ``what`` and those found."""
     if len(paths) != 1:
         raise RuntimeError(f"expected one {what}, found {[p.name for p in paths]}")
     return paths[0]
@@ -60,12 +61,12 @@ def _only(paths: list[Path], what: str) -> Path:
 
 def read_kernel_trace(profile_dir: Path, op_name: str) -> KernelTrace:
     """Read the static profile and executed bundles of the kernel named ``op_name``."""
-    profile = _only(sorted(profile_dir.glob(f"{op_name}*_static_llo_profile.textproto")), f"{op_name} profile")
+    profile = only_one(sorted(profile_dir.glob(f"{op_name}*_static_llo_profile.textproto")), f"{op_name} profile")
     match = _CYCLES.search(profile.read_text())
     if match is None:
         raise RuntimeError(f"no estimated_cycles in {profile}")
     bundles = vmatmuls = granules = 0
-    trace = _only(sorted(profile_dir.glob(f"{op_name}*_bundles.txt")), f"{op_name} bundle trace")
+    trace = only_one(sorted(profile_dir.glob(f"{op_name}*_bundles.txt")), f"{op_name} bundle trace")
     with trace.open() as lines:
         for line in lines:
             if line.endswith("bundle slots:\n"):

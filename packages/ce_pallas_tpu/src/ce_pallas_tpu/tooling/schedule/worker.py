@@ -121,6 +121,12 @@ def block_bytes_per_step(job: Job, cfg: Any) -> float:
     return cfg.block_b * cfg.hp * (x_bytes + 8) + cfg.hp * cfg.block_v * (w_bytes + dw_bytes) / cfg.nb + logits
 
 
+def step_mxu_cycles(job: Job, cfg: Any, generation: str) -> float:
+    """The MXU minimum of one grid step of ``job``'s kernel at its full-size config ``cfg``."""
+    step_h = cfg.block_h if job.kernel == "forward" else cfg.hidden_tile
+    return mxu_cycles(generation, job.kernel, cfg.block_b, step_h, cfg.block_v, job.keep_logits)
+
+
 def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> KernelSchedule:
     """The schedule of one job (errors are recorded, not raised)."""
     record = KernelSchedule(generation, job.kernel, job.n, job.h, job.v, job.x_dtype, job.w_dtype,
@@ -150,8 +156,7 @@ def measure_job(job: Job, generation: str, device: Any, profile_dir: Path) -> Ke
         return fit.total(cfg.nb, cfg.nv_per_core) / steps
 
     cycles_fit = BilinearFit.of({p: t.cycles for p, t in traces.items()})
-    step_h = cfg.block_h if job.kernel == "forward" else cfg.hidden_tile
-    mxu = mxu_cycles(generation, job.kernel, cfg.block_b, step_h, cfg.block_v, job.keep_logits)
+    mxu = step_mxu_cycles(job, cfg, generation)
     record.tiles = (cfg.block_b, cfg.block_h, cfg.block_v)
     record.w_buffers = getattr(cfg, "w_buffers", None)
     record.grid = ((cfg.num_cores, cfg.nb, cfg.nv_per_core, cfg.nh) if job.kernel == "forward"
